@@ -1,0 +1,71 @@
+"""One request's state inside an engine: its tokens, its pages, where it stands, and where its output goes.
+
+``tokens`` is prompt + generated; ``num_cached`` counts the tokens whose K/V are in the pool. ``run`` holds
+the pages reserved for prompt + max_tokens at admission, so a running request never waits for a page.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvseal.engine.sampling import SamplingParams, make_generator
+from kvseal.kv.pool import PageRun
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    TRANSFER = "transfer"  # prefill role: KV written out, waiting for decode's ack
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class Event:
+    """What an engine reports about a request: new tokens, then exactly one final event."""
+
+    rid: int
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    eos_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    run: PageRun | None = None
+    phase: Phase = Phase.WAITING
+    arrived: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    lease: object | None = None  # prefill role: where the KV goes
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+        self.generator = make_generator(self.params)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def budget_tokens(self) -> int:
+        """Prompt + max_tokens: what admission checks and what the reservation covers."""
+        return len(self.prompt) + self.params.max_tokens
+
+    def finish_reason(self, token: int) -> str | None:
+        if token in self.params.stop_token_ids or (token in self.eos_ids and not self.params.ignore_eos):
+            return "stop"
+        if self.num_output >= self.params.max_tokens:
+            return "length"
+        return None

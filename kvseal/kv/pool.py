@@ -1,0 +1,134 @@
+"""The node's paged KV pool: one preallocated tensor, integer page ids, a tag on every page.
+
+Layout: ``kv[layer, 0|1, kv_head, page, offset, head_dim]``, identical on every node, so a transfer is a
+gather/scatter by page id. Heads are outermost so that gathering a batch's pages yields ``[KVH, B, L, D]``,
+the layout decode attention multiplies without a copy; ``slot = page * page_size + offset`` in the flat
+``[KVH, pages * page_size, D]`` view of one layer.
+
+Every page carries a tag ``(owner, generation, state)``. Freeing bumps the generation, so a page table entry
+``(page, generation)`` taken at allocation goes stale the moment the page is freed. ``check_tables`` compares a
+whole batch's page tables with the tags in one vectorized operation before every forward pass that reads the
+pool. Freed pages are not zeroed (unless ``scrub_on_free``): safety comes from ownership, not from luck.
+
+Invariants (``check_integrity``): free + reserved + owned + quarantined == total; a FREE page has no owner and
+sits in the free list exactly once; a non-FREE page has exactly one owner.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from kvseal.config import PoolConfig
+
+
+class PageState(IntEnum):
+    FREE = 0
+    RESERVED = 1  # leased to a remote writer, awaiting commit
+    OWNED = 2  # verified, readable by its owner
+    QUARANTINED = 3  # released, but a remote writer may still target it
+
+
+class PoolExhausted(RuntimeError):
+    """allocate() was called without can_allocate(): a scheduler bug, never a client error."""
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """A request's pages and the generations they carried when allocated."""
+
+    pages: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class PagePool:
+    def __init__(self, cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, storage: torch.Tensor | None = None) -> None:
+        self.cfg = cfg
+        shape = (num_layers, 2, kv_heads, cfg.num_pages, cfg.page_size, head_dim)
+        if storage is None:
+            storage = torch.empty(shape, dtype=dtype)
+        if tuple(storage.shape) != shape or storage.dtype != dtype:
+            raise ValueError(f"pool storage {tuple(storage.shape)}/{storage.dtype} != {shape}/{dtype}")
+        self.kv = storage
+        n = cfg.num_pages
+        self.owner = torch.full((n,), -1, dtype=torch.int64)
+        self.generation = torch.zeros(n, dtype=torch.int64)
+        self.state = torch.zeros(n, dtype=torch.int8)
+        self._free: deque[int] = deque(range(n))
+        self.integrity_failures = 0
+
+    # -- allocation: check, then commit ---------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n_pages: int) -> bool:
+        return n_pages <= len(self._free)
+
+    def allocate(self, owner: int, n_pages: int, state: PageState = PageState.OWNED) -> PageRun:
+        if not self.can_allocate(n_pages):
+            raise PoolExhausted(f"need {n_pages} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n_pages)]
+        idx = torch.tensor(pages, dtype=torch.int64)
+        self.owner[idx] = owner
+        self.state[idx] = int(state)
+        return PageRun(tuple(pages), tuple(self.generation[idx].tolist()))
+
+    def set_state(self, run: PageRun, state: PageState) -> None:
+        self.state[torch.tensor(run.pages, dtype=torch.int64)] = int(state)
+
+    def quarantine(self, run: PageRun) -> None:
+        """Take pages out of every page table (tags say so) without returning them to the free list."""
+        self.set_state(run, PageState.QUARANTINED)
+
+    def free(self, run: PageRun) -> None:
+        if not run.pages:
+            return
+        idx = torch.tensor(run.pages, dtype=torch.int64)
+        if (self.state[idx] == PageState.FREE).any():
+            raise RuntimeError(f"double free in {run.pages}")
+        self.owner[idx] = -1
+        self.generation[idx] += 1
+        self.state[idx] = int(PageState.FREE)
+        if self.cfg.scrub_on_free:
+            self.kv[:, :, :, idx] = 0
+        self._free.extend(run.pages)
+
+    # -- the read-side check --------------------------------------------------------------------------
+    def check_tables(self, table: torch.Tensor, gens: torch.Tensor, owners: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+        """One vectorized comparison of a batch's page tables [B, P] with the tags: ok per request [B]."""
+        ok = ((self.owner[table] == owners[:, None]) & (self.generation[table] == gens)
+              & (self.state[table] == PageState.OWNED))
+        return (ok | ~valid).all(dim=1)
+
+    def run_ok(self, run: PageRun, owner: int, state: PageState) -> bool:
+        idx = torch.tensor(run.pages, dtype=torch.int64)
+        gens = torch.tensor(run.generations, dtype=torch.int64)
+        return bool(((self.owner[idx] == owner) & (self.generation[idx] == gens)
+                     & (self.state[idx] == int(state))).all())
+
+    # -- conservation ---------------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        c = torch.bincount(self.state.to(torch.int64), minlength=4).tolist()
+        return {s.name.lower(): c[s] for s in PageState}
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if pages are not conserved or a page is in two places."""
+        c = self.counts()
+        assert sum(c.values()) == self.cfg.num_pages
+        free = list(self._free)
+        assert len(free) == len(set(free)), "a page is in the free list twice"
+        assert c["free"] == len(free), f"free list {len(free)} != FREE tags {c['free']}"
+        idx = torch.tensor(free, dtype=torch.int64)
+        assert bool((self.state[idx] == PageState.FREE).all()) if free else True
+        free_mask = self.state == PageState.FREE
+        assert bool((self.owner[free_mask] == -1).all()), "a FREE page has an owner"
+        assert bool((self.owner[~free_mask] >= 0).all()), "a used page has no owner"
+
+    def owned_by(self, owner: int) -> int:
+        return int(((self.owner == owner) & (self.state != PageState.FREE)).sum())
