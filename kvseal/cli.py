@@ -1,0 +1,134 @@
+"""``kvseal serve | prefill | decode | router | preflight | bench``.
+
+``serve`` starts router + 1 prefill + 1 decode worker as processes on this host (``--colocated``: one
+process that does both). Protections are on; ``--unsafe-no-<name>`` turns one off, and is refused unless
+``KVSEAL_UNSAFE=1`` is in the environment (tests and demonstrations only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvseal.config import Protections
+from kvseal.engine.build import WorkerSpec
+
+UNSAFE_FLAGS = {n: f"--unsafe-no-{n.replace('_', '-')}" for n in Protections.NAMES}
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--kv-pool-tokens", type=int, default=None, help="pool size in tokens")
+    p.add_argument("--kv-memory", type=float, default=1.5, help="pool memory in GiB (if no --kv-pool-tokens)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--context", type=int, default=None, help="served context (default: the model's)")
+    p.add_argument("--allow-pool-below-context", action="store_true",
+                   help="cap the served context at the pool instead of refusing to start")
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--prefill-token-budget", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--scrub-on-free", action="store_true", help="zero pages when freed (costs bandwidth)")
+    for name, flag in UNSAFE_FLAGS.items():
+        p.add_argument(flag, dest=f"unsafe_{name}", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--unsafe-no-all", action="store_true", help=argparse.SUPPRESS)
+
+
+def protections(a: argparse.Namespace) -> Protections:
+    off = {n for n in Protections.NAMES if getattr(a, f"unsafe_{n}", False) or getattr(a, "unsafe_no_all", False)}
+    if off and os.environ.get("KVSEAL_UNSAFE") != "1":
+        sys.exit(f"refusing to turn off protections {sorted(off)}: set KVSEAL_UNSAFE=1 (tests only)")
+    return Protections(**{n: n not in off for n in Protections.NAMES})
+
+
+def worker_spec(a: argparse.Namespace) -> WorkerSpec:
+    return WorkerSpec(model=a.model, dtype=a.dtype, kv_pool_tokens=a.kv_pool_tokens, kv_memory_gib=a.kv_memory,
+                      page_size=a.page_size, context=a.context, allow_pool_below_context=a.allow_pool_below_context,
+                      max_running=a.max_running, prefill_token_budget=a.prefill_token_budget, threads=a.threads,
+                      scrub_on_free=a.scrub_on_free, protections=protections(a))
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvseal")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="router + prefill + decode on this host (or --colocated)")
+    add_worker_args(s)
+    s.add_argument("--colocated", action="store_true", help="one process does prefill and decode")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
+    s.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+    for role in ("prefill", "decode"):
+        w = sub.add_parser(role, help=f"a {role} worker")
+        add_worker_args(w)
+        w.add_argument("--host", default="127.0.0.1")
+        w.add_argument("--port", type=int, required=True)
+        w.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+    r = sub.add_parser("router", help="OpenAI front door over remote workers")
+    r.add_argument("--prefill", action="append", required=True, metavar="URL")
+    r.add_argument("--decode", action="append", required=True, metavar="URL")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
+    r.add_argument("--model", default=None, help="tokenizer source (default: SmolLM2-135M-Instruct)")
+    r.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker is failed")
+    pf = sub.add_parser("preflight", help="print the pool sizing table without serving")
+    pf.add_argument("--model", default=None)
+    pf.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    pf.add_argument("--memory", type=float, required=True, help="pool memory in GiB")
+    pf.add_argument("--context", type=int, default=None)
+    pf.add_argument("--page-size", type=int, default=16)
+    b = sub.add_parser("bench", help="load benchmark against an OpenAI-compatible server")
+    from kvseal.bench import add_args
+
+    add_args(b)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    if a.cmd == "serve" and a.colocated:
+        from kvseal.server.colocated import serve
+
+        serve(worker_spec(a), a.host, a.port, a.api_key)
+    elif a.cmd == "serve":
+        from kvseal.server.launch import serve_disaggregated
+
+        serve_disaggregated(a, worker_spec(a))
+    elif a.cmd in ("prefill", "decode"):
+        from kvseal.server.worker import serve_worker
+
+        serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport)
+    elif a.cmd == "router":
+        from kvseal.server.router import serve_router
+
+        serve_router(a)
+    elif a.cmd == "preflight":
+        run_preflight(a)
+    elif a.cmd == "bench":
+        from kvseal.bench import run
+
+        run(a)
+
+
+def run_preflight(a: argparse.Namespace) -> None:
+    import gguf
+
+    from kvseal.kv.preflight import pool_tokens_for, preflight
+    from kvseal.model.loader import default_model_path, gguf_config
+
+    from kvseal.config import DTYPES
+
+    path = a.model or str(default_model_path())
+    cfg = gguf_config(gguf.GGUFReader(path))
+    dtype = DTYPES[a.dtype]
+    tokens = pool_tokens_for(cfg, dtype, int(a.memory * 2**30), a.page_size)
+    print(preflight(cfg, dtype, tokens, a.context, allow_below=True).table())
+    if tokens < (a.context or cfg.max_context):
+        print("\nWARNING: pool below context; a worker refuses to start without --allow-pool-below-context")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Assemble a worker's engine: load the model, size and preflight the pool, start the engine thread.
+
+Loading runs on a short-lived thread, not the caller's: PyTorch's OpenMP team stays bound to the first
+thread that runs a parallel op, and if that is the main (HTTP) thread, the engine thread's kernels run 2-3×
+slower. Keeping the main thread free of parallel torch work avoids it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvseal.config import EngineConfig, PoolConfig, Protections
+from kvseal.engine.engine import Engine
+from kvseal.kv.pool import PagePool
+from kvseal.kv.preflight import Sizing, pool_tokens_for, preflight
+from kvseal.model.loader import LoadedModel, load
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: str | None = None
+    dtype: str = "bf16"
+    kv_pool_tokens: int | None = None
+    kv_memory_gib: float = 1.5
+    page_size: int = 16
+    context: int | None = None
+    allow_pool_below_context: bool = False
+    max_running: int = 64
+    prefill_token_budget: int = 2048
+    threads: int = 0
+    scrub_on_free: bool = False
+    protections: Protections = Protections()
+
+
+def off_main_thread(fn: Callable[[], object]) -> object:
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["v"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["e"] = e
+
+    t = threading.Thread(target=run, name="kvseal-load")
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]
+
+
+def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | None = None,
+                 handoff: Callable | None = None, metrics: object = None,
+                 loaded: LoadedModel | None = None) -> tuple[Engine, LoadedModel, Sizing]:
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
+    lm = loaded or off_main_thread(lambda: load(spec.model, dtype))
+    m = lm.model.cfg
+    tokens = spec.kv_pool_tokens or pool_tokens_for(m, dtype, int(spec.kv_memory_gib * 2**30), spec.page_size)
+    sizing = preflight(m, dtype, tokens, spec.context, spec.allow_pool_below_context)
+    pool_cfg = PoolConfig(num_pages=tokens // spec.page_size, page_size=spec.page_size,
+                          scrub_on_free=spec.scrub_on_free)
+    kv = storage(pool_cfg, m, dtype) if storage else None
+    pool = PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv)
+    cfg = EngineConfig(pool=pool_cfg, dtype=spec.dtype, max_running=spec.max_running,
+                       prefill_token_budget=spec.prefill_token_budget, context_window=sizing.served_context,
+                       threads=spec.threads, protections=spec.protections)
+    engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics).start()
+    return engine, lm, sizing

@@ -1,0 +1,91 @@
+"""What the OpenAI layer talks to: a backend that turns a tokenized request into a stream of events.
+
+``EngineBackend`` runs requests on an in-process engine (colocated mode, and the decode/prefill workers'
+own engines); the router has a backend of the same shape that drives remote workers. A backend stream
+ends with exactly one final event; leaving the stream early (client gone) aborts the request, which frees
+its pages on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvseal.engine.engine import Engine
+from kvseal.engine.sampling import SamplingParams
+from kvseal.engine.sequence import Event, Sequence
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    rid: int
+    tenant: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+class Backend(Protocol):
+    model_name: str
+    context_window: int  # the served context (preflight may have capped it)
+    pool_tokens: int  # the smallest KV pool on the request's path
+
+    def generate(self, req: GenRequest) -> AsyncIterator[Event]: ...
+
+    async def health(self) -> dict: ...
+
+
+def event_queue() -> tuple[asyncio.Queue, object]:
+    """A queue on the running loop and a thread-safe sink that feeds it."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    return q, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+
+
+async def drain(q: asyncio.Queue, on_exit: object) -> AsyncIterator[Event]:
+    """Yield events until the final one; if the consumer leaves first, call ``on_exit``."""
+    done = False
+    try:
+        while True:
+            ev = await q.get()
+            done = ev.finish_reason is not None
+            yield ev
+            if done:
+                return
+    finally:
+        if not done:
+            on_exit()
+
+
+class EngineBackend:
+    def __init__(self, engine: Engine, model_name: str, eos_ids: tuple[int, ...]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.eos_ids = frozenset(eos_ids)
+        self.context_window = engine.cfg.context_window
+        self.pool_tokens = engine.pool.cfg.capacity_tokens
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
+        q, sink = event_queue()
+        seq = Sequence(req.rid, req.prompt, req.params, sink, eos_ids=self.eos_ids)
+        await asyncio.wrap_future(self.engine.submit(seq))
+        async for ev in drain(q, lambda: self.engine.abort(req.rid)):
+            yield ev
+
+    async def health(self) -> dict:
+        return {"status": "ok", "pools": [await pool_health(self.engine)]}
+
+
+async def pool_health(engine: Engine) -> dict:
+    """Load and a conservation check, taken on the engine thread so it sees a consistent pool."""
+
+    def probe() -> dict:
+        try:
+            engine.pool.check_integrity()
+            ok = True
+        except AssertionError:
+            ok = False
+        return {**engine.load, **engine.pool.counts(), "integrity_ok": ok, "role": engine.role}
+
+    return await asyncio.wait_for(asyncio.wrap_future(engine.call(probe)), timeout=10)

@@ -1,0 +1,26 @@
+"""Colocated (single-node) serving: one process, one engine doing prefill and decode, no transfer."""
+
+from __future__ import annotations
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvseal.engine.build import WorkerSpec, build_engine
+from kvseal.server.api import create_app
+from kvseal.server.backend import EngineBackend
+from kvseal.server.metrics import Metrics
+from kvseal.server.tenants import Tenants
+
+
+def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None) -> tuple[FastAPI, EngineBackend]:
+    metrics = Metrics()
+    engine, lm, sizing = build_engine(spec, metrics=metrics)
+    metrics._pool_counts = engine.pool.counts
+    print(sizing.table(), flush=True)
+    backend = EngineBackend(engine, lm.name, lm.model.cfg.eos_token_ids)
+    return create_app(backend, lm.tokenizer, metrics, Tenants.parse(api_keys or [])), backend
+
+
+def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str]) -> None:
+    app, _ = colocated_app(spec, api_keys)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

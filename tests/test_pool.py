@@ -1,0 +1,92 @@
+"""The page pool: check-then-commit allocation, tags, generations, conservation."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvseal.config import PoolConfig
+from kvseal.kv.pool import PagePool, PageState, PoolExhausted
+
+
+def small_pool(pages: int = 8) -> PagePool:
+    return PagePool(PoolConfig(num_pages=pages, page_size=4), 2, 1, 8, torch.float32)
+
+
+def table_ok(pool: PagePool, run, owner: int) -> bool:
+    t = torch.tensor([run.pages])
+    return bool(pool.check_tables(t, torch.tensor([run.generations]), torch.tensor([owner]),
+                                  torch.ones_like(t, dtype=torch.bool))[0])
+
+
+def test_allocate_free_conserves_and_bumps_generation():
+    pool = small_pool()
+    a = pool.allocate(1, 3)
+    assert pool.num_free == 5 and pool.owned_by(1) == 3
+    pool.check_integrity()
+    pool.free(a)
+    assert pool.num_free == 8
+    assert all(pool.generation[p] == 1 for p in a.pages)
+    pool.check_integrity()
+
+
+def test_cannot_allocate_past_capacity():
+    pool = small_pool()
+    pool.allocate(1, 8)
+    assert not pool.can_allocate(1)
+    with pytest.raises(PoolExhausted):
+        pool.allocate(2, 1)
+
+
+def test_double_free_is_refused():
+    pool = small_pool()
+    a = pool.allocate(1, 2)
+    pool.free(a)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(a)
+
+
+def test_stale_page_table_fails_tag_check():
+    """A page freed and handed to another request no longer matches the first owner's table."""
+    pool = small_pool(2)
+    a = pool.allocate(1, 2)
+    assert table_ok(pool, a, 1)
+    pool.free(a)
+    b = pool.allocate(2, 2)
+    assert table_ok(pool, b, 2)
+    assert not table_ok(pool, a, 1)  # same page ids, old generation, other owner
+    assert not table_ok(pool, b, 1)  # right generation, wrong owner
+
+
+def test_reserved_and_quarantined_pages_are_not_readable():
+    pool = small_pool()
+    a = pool.allocate(1, 2, PageState.RESERVED)
+    assert not table_ok(pool, a, 1)
+    pool.set_state(a, PageState.OWNED)
+    assert table_ok(pool, a, 1)
+    pool.quarantine(a)
+    assert not table_ok(pool, a, 1)
+    assert pool.counts()["quarantined"] == 2
+    pool.check_integrity()
+
+
+def test_integrity_check_catches_corruption():
+    pool = small_pool()
+    pool.allocate(1, 2)
+    pool.owner[0] = -1  # a used page that lost its owner
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5)), max_size=40))
+def test_random_alloc_free_conserves(ops):
+    pool = small_pool(16)
+    live = []
+    for alloc, n in ops:
+        if alloc and pool.can_allocate(n):
+            live.append(pool.allocate(len(live) + 1, n))
+        elif live:
+            pool.free(live.pop(0))
+        pool.check_integrity()
+    assert pool.num_free + sum(len(r.pages) for r in live) == 16
