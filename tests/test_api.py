@@ -1,0 +1,119 @@
+"""The HTTP API through the official openai client, streaming included, and every bad-input case."""
+
+import httpx
+import openai
+import pytest
+from conftest import MODEL, wait_pages_back
+
+
+@pytest.fixture(scope="module")
+def client(colocated):
+    return openai.OpenAI(base_url=colocated.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_models_lists_context(client):
+    m = client.models.list().data[0]
+    assert m.id == MODEL and m.context_length == 8192
+
+
+def test_chat_non_streaming(client, colocated):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of Germany?"}],
+                                       max_tokens=20, temperature=0)
+    assert "Berlin" in r.choices[0].message.content
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10
+    wait_pages_back(colocated)
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "List three colors."}], max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions_with_stop_and_seed(client):
+    r = client.completions.create(model=MODEL, prompt="One, two, three, four,", max_tokens=20, temperature=0, stop=[" six"])
+    assert r.choices[0].finish_reason == "stop" and "six" not in r.choices[0].text
+    a = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=7)
+    b = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 9}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, "presence_penalty"),
+])
+def test_bad_input_is_400_naming_the_parameter(colocated, body, param):
+    r = httpx.post(colocated.url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].split(".")[0] == param and err["message"]
+
+
+def test_malformed_json_unknown_model_and_huge_max_tokens(colocated):
+    url = colocated.url + "/v1/chat/completions"
+    r = httpx.post(url, content=b"{nope", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url, json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "8192" in r.json()["error"]["message"]
+    wait_pages_back(colocated)
+
+
+def test_prompt_over_context_is_400_with_numbers(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[5] * 8000, max_tokens=500)
+    assert e.value.code == "context_length_exceeded" and "8500" in str(e.value)
+
+
+def test_request_that_never_fits_the_pool_is_400():
+    """Pool smaller than the context (allowed explicitly): the pool is the limit and the error says so."""
+    from conftest import Server
+
+    s = Server(["serve", "--colocated", "--kv-pool-tokens", "1024", "--allow-pool-below-context"])
+    try:
+        m = httpx.get(s.url + "/v1/models").json()["data"][0]
+        assert m["context_length"] == 1024  # capped by preflight
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": [5] * 1000, "max_tokens": 100})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        wait_pages_back(s)
+    finally:
+        s.stop()
+
+
+def test_client_disconnect_mid_stream_frees_pages(colocated):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", colocated.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    h = wait_pages_back(colocated)
+    assert h["pools"][0]["running"] == 0
+
+
+def test_metrics_exposes_pool_and_latency(colocated, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    text = httpx.get(colocated.url + "/metrics").text
+    for name in ("kvseal_requests_total", "kvseal_time_to_first_token_seconds_bucket",
+                 "kvseal_inter_token_latency_seconds_bucket", 'kvseal_pool_pages{state="free"}'):
+        assert name in text
+
+
+def test_server_survived_and_pool_conserved(colocated):
+    h = wait_pages_back(colocated)
+    assert h["pools"][0]["integrity_ok"]
