@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
         serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport)
     elif a.cmd == "router":
-        from kvseal.server.router import serve_router
+        from kvseal.server.worker import serve_router
 
         serve_router(a)
     elif a.cmd == "preflight":

@@ -81,7 +81,8 @@ class Engine:
     @property
     def load(self) -> dict[str, int]:
         return {"waiting": len(self.waiting), "running": len(self.running), "free_pages": self.pool.num_free,
-                "total_pages": self.pool.cfg.num_pages}
+                "total_pages": self.pool.cfg.num_pages, "pool_tokens": self.pool.cfg.capacity_tokens,
+                "context_window": self.cfg.context_window}
 
     # -- the loop ---------------------------------------------------------------------------------------
     def _loop(self) -> None:

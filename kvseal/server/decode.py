@@ -1,0 +1,222 @@
+"""The decode worker's side of the protocol: reserve → (pages land) → verify commit → decode → stream.
+
+Leases live here, keyed by request id. A commit is accepted only if: the lease exists with that nonce
+(not revoked), it covers exactly the reserved prompt (coverage: token count and page list), the pages are
+still RESERVED for this request with the leased generations (tags), and the xxh3-128 checksum over the bytes
+now in this pool and the metadata matches (checksum). Only then do the pages become OWNED and the request
+join the decode batch. Anything else quarantines the pages and fails the request.
+
+An aborted lease keeps its pages QUARANTINED until the writer says it stopped (``WriterDone``) or is fenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvseal.engine.engine import Engine
+from kvseal.engine.errors import ContextLengthError, EngineError, KVIntegrityError, Overloaded
+from kvseal.engine.sampling import SamplingParams
+from kvseal.engine.sequence import Event, Phase, Sequence
+from kvseal.kv.pool import PageRun, PageState
+from kvseal.server.backend import drain, event_queue, pool_health
+from kvseal.transfer import protocol as P
+
+
+@dataclass(eq=False)
+class LeaseState:
+    reserve: P.Reserve
+    run: PageRun
+    nonce: int
+    queue: asyncio.Queue
+    sink: object
+    committed: bool = False
+    aborted: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def ack_error(e: EngineError) -> Response:
+    return Response(P.encode(P.Ack(ok=False, status=e.status, code=e.code, message=str(e))),
+                    status_code=e.status, media_type="application/json")
+
+
+class DecodeService:
+    def __init__(self, engine: Engine, eos_ids: tuple[int, ...], target: str, decode_id: str,
+                 faults: object = None) -> None:
+        self.engine = engine
+        self.pool = engine.pool
+        self.eos = frozenset(eos_ids)
+        self.target = target
+        self.decode_id = decode_id
+        self.leases: dict[int, LeaseState] = {}
+        self.faults = faults
+        self.prot = engine.cfg.protections
+
+    # -- reserve ----------------------------------------------------------------------------------------
+    async def reserve(self, r: P.Reserve) -> P.Lease:
+        n = len(r.prompt) + r.max_new
+        if self.prot.admission and n > self.engine.cfg.admit_limit:
+            raise ContextLengthError(len(r.prompt), r.max_new, self.engine.cfg.context_window,
+                                     self.pool.cfg.capacity_tokens)
+        need = self.pool.cfg.pages_for(n)
+
+        def take() -> PageRun | None:
+            return self.pool.allocate(r.rid, need, PageState.RESERVED) if self.pool.can_allocate(need) else None
+
+        run = await asyncio.wrap_future(self.engine.call(take))
+        if run is None:
+            raise Overloaded(f"decode KV pool full ({self.pool.num_free} pages free, {need} needed)")
+        q, sink = event_queue()
+        st = LeaseState(r, run, secrets.randbits(62), q, sink)
+        self.leases[r.rid] = st
+        return P.Lease(rid=r.rid, nonce=st.nonce, pages=list(run.pages), generations=list(run.generations),
+                       n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
+                       layout=list(self.pool.kv.shape))
+
+    # -- commit -----------------------------------------------------------------------------------------
+    async def commit(self, c: P.Commit) -> P.Ack:
+        st = self.leases.get(c.rid)
+        if st is None or st.nonce != c.nonce or st.aborted:
+            raise KVIntegrityError(f"commit for request {c.rid}: no live lease with that nonce")
+        k = self.pool.cfg.pages_for(len(st.reserve.prompt))
+        covered = (c.n_tokens == len(st.reserve.prompt) and c.pages == list(st.run.pages[:k])
+                   and c.generations == list(st.run.generations[:k]))
+        if self.prot.coverage and not covered:
+            e = KVIntegrityError(f"commit for request {c.rid} covers {c.n_tokens} tokens / {len(c.pages)} pages, "
+                                 f"lease reserved {len(st.reserve.prompt)} tokens / {k} pages")
+            return await asyncio.wrap_future(self.engine.call(lambda: self._reject(st, e)))
+        return await asyncio.wrap_future(self.engine.call(lambda: self._verify_and_admit(st, c)))
+
+    def _verify_and_admit(self, st: LeaseState, c: P.Commit) -> P.Ack:
+        """Engine thread: tags and checksum against the bytes in this pool, then OWNED and running."""
+        rid = c.rid
+        if self.prot.page_tags and not self.pool.run_ok(st.run, rid, PageState.RESERVED):
+            return self._reject(st, KVIntegrityError(f"request {rid}: leased pages no longer reserved for it"))
+        if self.prot.checksum:
+            got = P.checksum(self.pool.kv, c.pages, c.n_tokens, rid, c.nonce, c.pages, c.generations)
+            if got != c.checksum:
+                if self.engine.metrics:
+                    self.engine.metrics.integrity_failures.inc()
+                return self._reject(st, KVIntegrityError(f"request {rid}: KV checksum mismatch"))
+        self.pool.set_state(st.run, PageState.OWNED)
+        st.committed = True
+        r = st.reserve
+        params = SamplingParams(max_tokens=r.max_new, **r.sampling)
+        seq = Sequence(rid, list(r.prompt), params, st.sink, eos_ids=self.eos,
+                       tokens=list(r.prompt) + [c.first_token], num_cached=c.n_tokens, run=st.run,
+                       phase=Phase.RUNNING)
+        reason = seq.finish_reason(c.first_token)
+        if reason:  # the first token already ended it: nothing to decode
+            self.pool.free(st.run)
+            st.sink(Event(rid, (), reason))
+        else:
+            self.engine._admit(seq)
+        return P.Ack(ok=True, first_token=c.first_token)
+
+    def _reject(self, st: LeaseState, e: EngineError) -> P.Ack:
+        self.pool.quarantine(st.run)
+        self.engine.quarantined[st.reserve.rid] = st.run
+        st.aborted = True
+        st.sink(Event(st.reserve.rid, (), "error", e))
+        return P.Ack(ok=False, status=e.status, code=e.code, message=str(e))
+
+    # -- endings ----------------------------------------------------------------------------------------
+    async def abort(self, a: P.Abort) -> dict:
+        st = self.leases.get(a.rid)
+        if st is None:
+            return {"found": False}
+        if st.committed:
+            await asyncio.wrap_future(self.engine.abort(a.rid))
+            self.leases.pop(a.rid, None)
+        elif not st.aborted:  # a writer may still target the pages: quarantine until WriterDone
+            st.aborted = True
+
+            def q() -> None:
+                self.pool.quarantine(st.run)
+                self.engine.quarantined[a.rid] = st.run
+
+            await asyncio.wrap_future(self.engine.call(q))
+            st.sink(Event(a.rid, (), "abort"))
+        if a.writer_done and st.aborted and not st.committed:
+            await self.writer_done(P.WriterDone(rid=a.rid, nonce=st.nonce))
+        return {"found": True}
+
+    async def fence(self, f: P.Fence) -> dict:
+        """The writer is dead: its leases are revoked (late commits refused) and their pages freed."""
+        n = 0
+        for rid, st in list(self.leases.items()):
+            if st.reserve.prefill_id == f.prefill_id and not st.committed:
+                await self.abort(P.Abort(rid=rid))
+                await self.writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
+                n += 1
+        return {"fenced": n}
+
+    async def writer_done(self, w: P.WriterDone) -> dict:
+        st = self.leases.get(w.rid)
+        if st is None or st.nonce != w.nonce:
+            return {"released": False}
+        if st.aborted:
+            self.leases.pop(w.rid, None)
+            freed = await asyncio.wrap_future(self.engine.call(lambda: self.engine.release_quarantine(w.rid)))
+            return {"released": freed}
+        return {"released": False}
+
+    async def stream(self, rid: int):
+        st = self.leases.get(rid)
+        if st is None:
+            raise EngineError(f"no request {rid} on this decode worker")
+
+        async def gen():
+            try:
+                async for ev in drain(st.queue, lambda: asyncio.ensure_future(self.abort(P.Abort(rid=rid)))):
+                    err = ev.error.to_dict() | {"status": ev.error.status} if isinstance(ev.error, EngineError) else None
+                    yield P.encode({"tokens": list(ev.token_ids), "finish": ev.finish_reason, "error": err}) + b"\n"
+            finally:
+                if st.committed or not st.aborted:
+                    self.leases.pop(rid, None)
+
+        return gen()
+
+
+def decode_app(svc: DecodeService) -> FastAPI:
+    app = FastAPI()
+
+    @app.exception_handler(EngineError)
+    async def _err(_: Request, e: EngineError) -> Response:
+        return ack_error(e)
+
+    @app.post("/kv/reserve")
+    async def reserve(request: Request) -> Response:
+        return Response(P.encode(await svc.reserve(P.decode(await request.body(), P.Reserve))),
+                        media_type="application/json")
+
+    @app.post("/kv/commit")
+    async def commit(request: Request) -> Response:
+        ack = await svc.commit(P.decode(await request.body(), P.Commit))
+        return Response(P.encode(ack), status_code=200 if ack.ok else ack.status, media_type="application/json")
+
+    @app.post("/kv/abort")
+    async def abort(request: Request) -> JSONResponse:
+        return JSONResponse(await svc.abort(P.decode(await request.body(), P.Abort)))
+
+    @app.post("/kv/writer_done")
+    async def writer_done(request: Request) -> JSONResponse:
+        return JSONResponse(await svc.writer_done(P.decode(await request.body(), P.WriterDone)))
+
+    @app.post("/kv/fence")
+    async def fence(request: Request) -> JSONResponse:
+        return JSONResponse(await svc.fence(P.decode(await request.body(), P.Fence)))
+
+    @app.get("/stream/{rid}")
+    async def stream(rid: int) -> StreamingResponse:
+        return StreamingResponse(await svc.stream(rid), media_type="application/x-ndjson")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok", **await pool_health(svc.engine), "leases": len(svc.leases)})
+
+    return app

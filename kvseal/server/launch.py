@@ -1,0 +1,79 @@
+"""``kvseal serve`` (default): router + 1 prefill + 1 decode worker as separate processes on this host."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kvseal.engine.build import WorkerSpec
+
+
+def _worker_argv(a: argparse.Namespace) -> list[str]:
+    out = []
+    for flag in ("model", "dtype", "kv_pool_tokens", "kv_memory", "page_size", "context", "max_running",
+                 "prefill_token_budget", "threads"):
+        v = getattr(a, flag)
+        if v is not None:
+            out += [f"--{flag.replace('_', '-')}", str(v)]
+    for flag in ("allow_pool_below_context", "scrub_on_free", "unsafe_no_all") + tuple(
+            f"unsafe_{n}" for n in ("page_tags", "admission", "coverage", "checksum", "deferred_release",
+                                    "disconnect_guard")):
+        if getattr(a, flag, False):
+            out.append("--" + flag.replace("unsafe_", "unsafe-no-", 1).replace("_", "-") if flag.startswith(
+                "unsafe_") and flag != "unsafe_no_all" else "--" + flag.replace("_", "-"))
+    return out
+
+
+def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
+    del spec  # validated already; the workers re-parse the same flags
+    ports = {"prefill": a.port + 1, "decode": a.port + 2}
+    procs = []
+    for role, port in ports.items():
+        argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
+                "--transport", a.transport, *_worker_argv(a)]
+        procs.append(subprocess.Popen(argv))
+    try:
+        for role, port in ports.items():
+            _wait_healthy(f"http://{a.host}:{port}", procs)
+        router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port),
+                  "--prefill", f"http://{a.host}:{ports['prefill']}", "--decode", f"http://{a.host}:{ports['decode']}"]
+        if a.model:
+            router += ["--model", a.model]
+        for k in a.api_key:
+            router += ["--api-key", k]
+        procs.append(subprocess.Popen(router))
+        print(f"kvseal: router on http://{a.host}:{a.port} (prefill :{ports['prefill']}, decode :{ports['decode']})",
+              flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit("a worker exited during start-up")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not become healthy")

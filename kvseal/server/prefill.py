@@ -1,0 +1,120 @@
+"""The prefill worker's side of the protocol: admit → prefill → write the leased pages → commit → release.
+
+Admission comes first and is final: a request that does not fit this pool or the context is rejected with
+its original error before any page is allocated or byte moved. There is no placeholder path. The engine
+thread runs the prefill, samples the first token and writes the KV into the decode pool (``handoff``); the
+commit travels on the event loop; this worker's pages are freed only once decode has answered (deferred
+release). A rejected commit is followed by ``WriterDone`` so decode may free its quarantined pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvseal.engine.engine import Engine
+from kvseal.engine.errors import ContextLengthError, EngineError
+from kvseal.engine.sampling import SamplingParams
+from kvseal.engine.sequence import Event, Sequence
+from kvseal.server.backend import pool_health
+from kvseal.server.decode import ack_error
+from kvseal.transfer import protocol as P
+
+
+class PrefillService:
+    def __init__(self, engine: Engine, writer: object, prefill_id: str, faults: object = None) -> None:
+        self.engine = engine
+        self.writer = writer
+        self.prefill_id = prefill_id
+        self.faults = faults
+        self.client = httpx.AsyncClient(timeout=30)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pending: dict[int, tuple[P.Prefill, asyncio.Future]] = {}
+        engine.handoff = self.handoff
+
+    async def prefill(self, p: P.Prefill) -> P.Ack:
+        self.loop = asyncio.get_running_loop()
+        cfg = self.engine.cfg
+        if cfg.protections.admission and len(p.prompt) + p.max_new > cfg.context_window:
+            raise ContextLengthError(len(p.prompt), p.max_new, cfg.context_window, self.engine.pool.cfg.capacity_tokens)
+        params = SamplingParams(max_tokens=1, **p.sampling)  # prefill samples the first token only
+        done: asyncio.Future = self.loop.create_future()
+        self.pending[p.rid] = (p, done)
+        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid), lease=p.lease)
+        try:
+            await asyncio.wrap_future(self.engine.submit(seq))  # admission: raises before any allocation
+            return await done
+        finally:
+            self.pending.pop(p.rid, None)
+
+    def _sink(self, rid: int):
+        def sink(ev: Event) -> None:
+            if ev.error is not None and self.loop:
+                self.loop.call_soon_threadsafe(self._settle, rid, ev.error)
+        return sink
+
+    def _settle(self, rid: int, result: object) -> None:
+        entry = self.pending.get(rid)
+        if entry and not entry[1].done():
+            if isinstance(result, BaseException):
+                entry[1].set_exception(result)
+            else:
+                entry[1].set_result(result)
+
+    def handoff(self, seq: Sequence) -> None:
+        """Engine thread, right after prefill: write the prompt's pages into the lease, then commit."""
+        lease: P.Lease = seq.lease
+        n = len(seq.prompt)
+        k = self.engine.pool.cfg.pages_for(n)
+        src = list(seq.run.pages[:k])
+        dst = lease.pages[:k]
+        try:
+            self.writer.write(self.engine.pool.kv, src, lease.target, lease.layout, dst)
+        except Exception as e:  # noqa: BLE001 - the transfer failed: nothing was committed
+            self.engine.release(seq.rid)
+            self.loop.call_soon_threadsafe(self._settle, seq.rid, EngineError(f"KV transfer failed: {e}"))
+            return
+        digest = P.checksum(self.engine.pool.kv, src, n, seq.rid, lease.nonce, dst, lease.generations[:k])
+        commit = P.Commit(rid=seq.rid, nonce=lease.nonce, n_tokens=n, first_token=seq.tokens[-1], pages=dst,
+                          generations=lease.generations[:k], checksum=digest)
+        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._commit(seq.rid, commit)))
+
+    async def _commit(self, rid: int, commit: P.Commit) -> None:
+        p, _ = self.pending.get(rid, (None, None))
+        try:
+            r = await self.client.post(p.decode_url + "/kv/commit", content=P.encode(commit))
+            ack = P.decode(r.content, P.Ack)
+        except Exception as e:  # noqa: BLE001 - decode unreachable: the router will fence and fail it
+            ack = P.Ack(ok=False, status=503, code="decode_unreachable", message=f"commit not delivered: {e}")
+        self.engine.release(rid)  # deferred release: decode has answered (or is gone)
+        if not ack.ok:
+            await self._writer_done(p, commit.nonce)
+        self._settle(rid, ack)
+
+    async def _writer_done(self, p: P.Prefill, nonce: int) -> None:
+        try:
+            await self.client.post(p.decode_url + "/kv/writer_done", content=P.encode(P.WriterDone(rid=p.rid, nonce=nonce)))
+        except httpx.HTTPError:
+            pass  # decode gone: nothing left to release there
+
+
+def prefill_app(svc: PrefillService) -> FastAPI:
+    app = FastAPI()
+
+    @app.exception_handler(EngineError)
+    async def _err(_: Request, e: EngineError) -> Response:
+        return ack_error(e)
+
+    @app.post("/prefill")
+    async def prefill(request: Request) -> Response:
+        ack = await svc.prefill(P.decode(await request.body(), P.Prefill))
+        return Response(P.encode(ack), status_code=200 if ack.ok else ack.status, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok", **await pool_health(svc.engine)})
+
+    return app

@@ -1,0 +1,184 @@
+"""The router: the OpenAI front door over remote prefill and decode workers.
+
+Per request: pick the least-loaded healthy decode and prefill (free pages, then queue length) → decode
+reserves and returns a lease → prefill admits, computes, writes, commits → the first token comes back only
+after decode verified the commit → the rest streams from decode. Admission against min(context, prefill
+pool, decode pool) happened in the API layer before any of this.
+
+Status follows truth: an error from any worker is returned with that worker's original status and code.
+A client that leaves mid-transfer does not abort the transfer: the router lets prefill finish (or fail),
+then aborts on decode, which frees the pages. A worker that stops answering fails its requests with 503
+and is skipped until healthy again; a dead prefill is fenced on every decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+
+from kvseal.config import Protections
+from kvseal.engine.errors import EngineError, Overloaded
+from kvseal.engine.sequence import Event
+from kvseal.server.backend import GenRequest
+from kvseal.transfer import protocol as P
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str
+    healthy: bool = False
+    info: dict = field(default_factory=dict)
+    inflight: int = 0
+
+    @property
+    def score(self) -> tuple:
+        return (-self.info.get("free_pages", 0) + self.inflight * 64, self.info.get("waiting", 0))
+
+
+def remote_error(status: int, body: bytes) -> EngineError:
+    """Rebuild a worker's error with its original status and code."""
+    try:
+        a = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        a = {}
+    e = EngineError(a.get("message") or f"worker answered HTTP {status}")
+    e.status = status
+    e.code = a.get("code") or e.code
+    e.type = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return e
+
+
+class DisaggBackend:
+    def __init__(self, prefill: list[str], decode: list[str], model_name: str, timeout: float = 30.0,
+                 protections: Protections = Protections()) -> None:
+        self.prefills = [Worker(u.rstrip("/"), "prefill") for u in prefill]
+        self.decodes = [Worker(u.rstrip("/"), "decode") for u in decode]
+        self.model_name = model_name
+        self.timeout = timeout
+        self.prot = protections
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0),
+                                        limits=httpx.Limits(max_connections=512))
+        self.context_window = 0
+        self.pool_tokens = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- health -----------------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        await asyncio.gather(*[self._probe(w) for w in self.prefills + self.decodes])
+        live = [w for w in self.prefills + self.decodes if w.healthy and w.info]
+        if live:
+            self.context_window = min(w.info["context_window"] for w in live)
+            self.pool_tokens = min(w.info["pool_tokens"] for w in live)
+
+    async def _probe(self, w: Worker) -> None:
+        was = w.healthy
+        try:
+            r = await self.client.get(w.url + "/health", timeout=2.0)
+            w.info, w.healthy = r.json(), r.status_code == 200
+        except (httpx.HTTPError, ValueError):
+            w.healthy = False
+        if was and not w.healthy and w.role == "prefill":
+            await self._fence(w)
+
+    async def _fence(self, dead: Worker) -> None:
+        for d in self.decodes:
+            if d.healthy:
+                try:
+                    await self.client.post(d.url + "/kv/fence", content=P.encode(P.Fence(prefill_id=dead.url)))
+                except httpx.HTTPError:
+                    pass
+
+    async def health_loop(self, period: float = 1.0) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(period)
+
+    async def health(self) -> dict:
+        ok = any(w.healthy for w in self.prefills) and any(w.healthy for w in self.decodes)
+        return {"status": "ok" if ok else "degraded",
+                "pools": [w.info | {"url": w.url} for w in self.prefills + self.decodes if w.healthy],
+                "workers": {w.url: w.healthy for w in self.prefills + self.decodes}}
+
+    def _pick(self, ws: list[Worker]) -> Worker:
+        live = [w for w in ws if w.healthy]
+        if not live:
+            raise Overloaded(f"no healthy {ws[0].role} worker")
+        return min(live, key=lambda w: w.score)
+
+    # -- one request ------------------------------------------------------------------------------------
+    async def _post(self, w: Worker, path: str, msg: object) -> bytes:
+        try:
+            r = await self.client.post(w.url + path, content=P.encode(msg))
+        except httpx.HTTPError as e:
+            w.healthy = False
+            raise Overloaded(f"{w.role} worker {w.url} unreachable: {type(e).__name__}") from None
+        if r.status_code != 200:
+            raise remote_error(r.status_code, r.content)
+        return r.content
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
+        d, p = self._pick(self.decodes), self._pick(self.prefills)
+        sampling = {"temperature": req.params.temperature, "top_p": req.params.top_p, "top_k": req.params.top_k,
+                    "seed": req.params.seed, "stop_token_ids": list(req.params.stop_token_ids),
+                    "ignore_eos": req.params.ignore_eos}
+        d.inflight += 1
+        try:
+            lease = P.decode(await self._post(d, "/kv/reserve", P.Reserve(
+                rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
+                sampling=sampling, prefill_id=p.url)), P.Lease)
+            msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
+                            sampling=sampling, lease=lease, decode_url=d.url)
+            transfer = asyncio.ensure_future(self._transfer(p, d, msg))
+            self._tasks.add(transfer)
+            transfer.add_done_callback(self._tasks.discard)
+            # shield: a client that leaves now must not abort the transfer mid-flight
+            ack = await (asyncio.shield(transfer) if self.prot.disconnect_guard else transfer)
+            yield Event(req.rid, (ack.first_token,))
+            async for ev in self._stream(d, req.rid):
+                yield ev
+        finally:
+            d.inflight -= 1
+
+    async def _transfer(self, p: Worker, d: Worker, msg: P.Prefill) -> P.Ack:
+        """Prefill's answer is final; on any failure, decode is told to drop the lease."""
+        try:
+            return P.decode(await self._post(p, "/prefill", msg), P.Ack)
+        except EngineError:
+            writer_done = p.healthy  # prefill answered: it wrote nothing more. Unreachable: fence decides.
+            await self._abort(d, msg.rid, msg.lease.nonce, writer_done)
+            raise
+
+    async def _abort(self, d: Worker, rid: int, nonce: int, writer_done: bool) -> None:
+        try:
+            await self.client.post(d.url + "/kv/abort",
+                                   content=P.encode(P.Abort(rid=rid, nonce=nonce, writer_done=writer_done)))
+        except httpx.HTTPError:
+            pass
+
+    async def _stream(self, d: Worker, rid: int) -> AsyncIterator[Event]:
+        finished = False
+        try:
+            async with self.client.stream("GET", f"{d.url}/stream/{rid}",
+                                          timeout=httpx.Timeout(None, connect=2.0, read=self.timeout)) as r:
+                if r.status_code != 200:
+                    raise remote_error(r.status_code, await r.aread())
+                async for line in r.aiter_lines():
+                    m = json.loads(line)
+                    if m["error"]:
+                        raise remote_error(m["error"]["status"], json.dumps(m["error"]).encode())
+                    finished = m["finish"] is not None
+                    yield Event(rid, tuple(m["tokens"]), m["finish"])
+                    if finished:
+                        return
+        except httpx.HTTPError as e:
+            d.healthy = False
+            raise Overloaded(f"decode worker {d.url} failed mid-stream: {type(e).__name__}") from None
+        finally:
+            if not finished:  # client left or stream broke: stop decode and free its pages
+                await self._abort(d, rid, 0, writer_done=True)

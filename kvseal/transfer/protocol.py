@@ -1,0 +1,109 @@
+"""Typed, versioned messages of the transfer protocol, and the per-transfer checksum.
+
+    router → decode   Reserve   → Lease        decode admission, pages RESERVED for rid, a fresh nonce
+    router → prefill  Prefill   → PrefillDone  prefill admission *before* any allocation or byte moved
+    prefill → decode  (page writes into the leased pages), then Commit → CommitAck
+    prefill frees its own pages only after the ack (deferred release)
+    router → decode   Abort;  prefill → decode  WriterDone (abort-ack: quarantined pages may be freed)
+
+The checksum (xxh3-128) covers the page bytes *and* the metadata (rid, nonce, pages, generations, token
+count), so a commit cannot be replayed onto other pages or another lease.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+import xxhash
+
+VERSION = 1
+
+
+class Msg(msgspec.Struct, kw_only=True):
+    v: int = VERSION
+
+
+class Reserve(Msg):
+    rid: int
+    tenant: str
+    prompt: list[int]
+    max_new: int
+    sampling: dict
+    prefill_id: str
+
+
+class Lease(Msg):
+    rid: int
+    nonce: int
+    pages: list[int]
+    generations: list[int]
+    n_prompt: int
+    decode_id: str
+    target: str  # transport address of the decode pool (shm path or mooncake session)
+    layout: list[int]  # pool shape, checked by the writer
+
+
+class Prefill(Msg):
+    rid: int
+    tenant: str
+    prompt: list[int]
+    max_new: int
+    sampling: dict
+    lease: Lease
+    decode_url: str
+
+
+class Commit(Msg):
+    rid: int
+    nonce: int
+    n_tokens: int
+    first_token: int
+    pages: list[int]
+    generations: list[int]
+    checksum: str
+
+
+class Ack(Msg):
+    ok: bool
+    status: int = 200
+    code: str = ""
+    message: str = ""
+    first_token: int = -1
+
+
+class Abort(Msg):
+    rid: int
+    nonce: int = 0
+    writer_done: bool = False  # the router holds prefill's final answer: no write can still land
+
+
+class Fence(Msg):
+    prefill_id: str  # declared dead: revoke its leases, free what they quarantined
+
+
+class WriterDone(Msg):
+    rid: int
+    nonce: int
+
+
+def page_bytes(kv: torch.Tensor, pages: list[int], n_tokens: int) -> torch.Tensor:
+    """The bytes of the first ``n_tokens`` slots of ``pages``, in a fixed order on every node."""
+    ps = kv.shape[4]
+    blk = kv[:, :, :, torch.tensor(pages, dtype=torch.int64)]  # [L, 2, KVH, n, ps, D]
+    flat = blk.reshape(*blk.shape[:3], len(pages) * ps, blk.shape[-1])[:, :, :, :n_tokens]
+    return flat.contiguous().view(torch.uint8).reshape(-1)
+
+
+def checksum(kv: torch.Tensor, pages: list[int], n_tokens: int, rid: int, nonce: int, dest_pages: list[int],
+             generations: list[int]) -> str:
+    h = xxhash.xxh3_128()
+    h.update(page_bytes(kv, pages, n_tokens).numpy())
+    h.update(msgspec.msgpack.encode([rid, nonce, dest_pages, generations, n_tokens]))
+    return h.hexdigest()
+
+
+encode = msgspec.json.encode
+
+
+def decode(data: bytes, typ: type) -> object:
+    return msgspec.json.decode(data, type=typ)

@@ -1,0 +1,61 @@
+"""The ``shm`` transport: the decode pool lives in a shared-memory file; prefill maps it and copies pages in.
+
+A page write is one gather/scatter by page id over the whole ``[L, 2, KVH, page, slot, D]`` tensor. The
+file name derives from the decode worker's port and pid, so two decode workers never share a pool.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from kvseal.config import ModelConfig, PoolConfig
+
+
+def pool_shape(cfg: PoolConfig, m: ModelConfig) -> tuple[int, ...]:
+    return (m.num_layers, 2, m.num_kv_heads, cfg.num_pages, cfg.page_size, m.head_dim)
+
+
+class ShmPool:
+    """Owner side (decode): creates the file and removes it at close."""
+
+    def __init__(self, name: str) -> None:
+        self.path = Path("/dev/shm") / name
+
+    def create(self, cfg: PoolConfig, m: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+        shape = pool_shape(cfg, m)
+        n = math.prod(shape)
+        self.path.unlink(missing_ok=True)
+        t = torch.from_file(str(self.path), shared=True, size=n, dtype=dtype)
+        return t.view(shape)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class ShmWriter:
+    """Writer side (prefill): maps decode pools by path, once each."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def target(self, path: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = self._maps.get(path)
+        if t is None:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"decode pool {path} not found (is decode on this host?)")
+            t = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+            self._maps[path] = t
+        return t
+
+    def write(self, src: torch.Tensor, src_pages: list[int], path: str, shape: list[int],
+              dst_pages: list[int]) -> None:
+        dst = self.target(path, shape, src.dtype)
+        s = torch.tensor(src_pages, dtype=torch.int64)
+        d = torch.tensor(dst_pages, dtype=torch.int64)
+        dst[:, :, :, d] = src[:, :, :, s]
