@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
     r.add_argument("--model", default=None, help="tokenizer source (default: SmolLM2-135M-Instruct)")
     r.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker is failed")
+    for name, flag in UNSAFE_FLAGS.items():
+        r.add_argument(flag, dest=f"unsafe_{name}", action="store_true", help=argparse.SUPPRESS)
+    r.add_argument("--unsafe-no-all", action="store_true", help=argparse.SUPPRESS)
     pf = sub.add_parser("preflight", help="print the pool sizing table without serving")
     pf.add_argument("--model", default=None)
     pf.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])

@@ -106,7 +106,8 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         max_new = req.max_new
         if max_new is None:  # as vLLM: whatever the context leaves
             max_new = backend.context_window - len(prompt)
-        if max_new < 1 or len(prompt) + max_new > min(backend.context_window, backend.pool_tokens):
+        too_long = len(prompt) + max_new > min(backend.context_window, backend.pool_tokens)
+        if max_new < 1 or (too_long and backend.prot.admission):
             raise ContextLengthError(len(prompt), max(max_new, 1), backend.context_window, backend.pool_tokens)
         params = SamplingParams(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
                                 top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos)

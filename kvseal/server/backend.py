@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvseal.config import Protections
 from kvseal.engine.engine import Engine
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Event, Sequence
@@ -30,6 +31,7 @@ class Backend(Protocol):
     model_name: str
     context_window: int  # the served context (preflight may have capped it)
     pool_tokens: int  # the smallest KV pool on the request's path
+    prot: Protections
 
     def generate(self, req: GenRequest) -> AsyncIterator[Event]: ...
 
@@ -65,6 +67,7 @@ class EngineBackend:
         self.eos_ids = frozenset(eos_ids)
         self.context_window = engine.cfg.context_window
         self.pool_tokens = engine.pool.cfg.capacity_tokens
+        self.prot = engine.cfg.protections
 
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
         q, sink = event_queue()

@@ -107,7 +107,7 @@ class DecodeService:
         r = st.reserve
         params = SamplingParams(max_tokens=r.max_new, **r.sampling)
         seq = Sequence(rid, list(r.prompt), params, st.sink, eos_ids=self.eos,
-                       tokens=list(r.prompt) + [c.first_token], num_cached=c.n_tokens, run=st.run,
+                       tokens=list(r.prompt) + [c.first_token], num_cached=len(r.prompt), run=st.run,
                        phase=Phase.RUNNING)
         reason = seq.finish_reason(c.first_token)
         if reason:  # the first token already ended it: nothing to decode

@@ -11,22 +11,23 @@ import time
 
 import httpx
 
+from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec
 
 
 def _worker_argv(a: argparse.Namespace) -> list[str]:
+    from kvseal.cli import UNSAFE_FLAGS
+
     out = []
     for flag in ("model", "dtype", "kv_pool_tokens", "kv_memory", "page_size", "context", "max_running",
                  "prefill_token_budget", "threads"):
         v = getattr(a, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]
-    for flag in ("allow_pool_below_context", "scrub_on_free", "unsafe_no_all") + tuple(
-            f"unsafe_{n}" for n in ("page_tags", "admission", "coverage", "checksum", "deferred_release",
-                                    "disconnect_guard")):
+    for flag in ("allow_pool_below_context", "scrub_on_free", "unsafe_no_all"):
         if getattr(a, flag, False):
-            out.append("--" + flag.replace("unsafe_", "unsafe-no-", 1).replace("_", "-") if flag.startswith(
-                "unsafe_") and flag != "unsafe_no_all" else "--" + flag.replace("_", "-"))
+            out.append("--" + flag.replace("_", "-"))
+    out += [UNSAFE_FLAGS[n] for n in Protections.NAMES if getattr(a, f"unsafe_{n}", False)]
     return out
 
 
@@ -45,6 +46,7 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
                   "--prefill", f"http://{a.host}:{ports['prefill']}", "--decode", f"http://{a.host}:{ports['decode']}"]
         if a.model:
             router += ["--model", a.model]
+        router += [f for f in _worker_argv(a) if f.startswith("--unsafe")]
         for k in a.api_key:
             router += ["--api-key", k]
         procs.append(subprocess.Popen(router))

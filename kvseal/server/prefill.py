@@ -10,6 +10,7 @@ release). A rejected commit is followed by ``WriterDone`` so decode may free its
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 from fastapi import FastAPI, Request
@@ -19,17 +20,18 @@ from kvseal.engine.engine import Engine
 from kvseal.engine.errors import ContextLengthError, EngineError
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Event, Sequence
+from kvseal.faults import Faults
 from kvseal.server.backend import pool_health
 from kvseal.server.decode import ack_error
 from kvseal.transfer import protocol as P
 
 
 class PrefillService:
-    def __init__(self, engine: Engine, writer: object, prefill_id: str, faults: object = None) -> None:
+    def __init__(self, engine: Engine, writer: object, prefill_id: str, faults: Faults | None = None) -> None:
         self.engine = engine
         self.writer = writer
         self.prefill_id = prefill_id
-        self.faults = faults
+        self.faults = faults or Faults()
         self.client = httpx.AsyncClient(timeout=30)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pending: dict[int, tuple[P.Prefill, asyncio.Future]] = {}
@@ -38,7 +40,10 @@ class PrefillService:
     async def prefill(self, p: P.Prefill) -> P.Ack:
         self.loop = asyncio.get_running_loop()
         cfg = self.engine.cfg
-        if cfg.protections.admission and len(p.prompt) + p.max_new > cfg.context_window:
+        too_long = len(p.prompt) + p.max_new > cfg.admit_limit
+        if too_long and self.faults.fire("legacy_placeholder"):
+            p.prompt = p.prompt[:1]  # the 2026 bug: a 1-token placeholder, committed as if complete
+        elif too_long and cfg.protections.admission:
             raise ContextLengthError(len(p.prompt), p.max_new, cfg.context_window, self.engine.pool.cfg.capacity_tokens)
         params = SamplingParams(max_tokens=1, **p.sampling)  # prefill samples the first token only
         done: asyncio.Future = self.loop.create_future()
@@ -72,7 +77,12 @@ class PrefillService:
         src = list(seq.run.pages[:k])
         dst = lease.pages[:k]
         try:
-            self.writer.write(self.engine.pool.kv, src, lease.target, lease.layout, dst)
+            if not self.faults.fire("skip_page_write"):
+                self.writer.write(self.engine.pool.kv, src, lease.target, lease.layout, dst)
+            if self.faults.fire("corrupt_page_write"):
+                self.writer.corrupt(lease.target, lease.layout, self.engine.pool.kv.dtype, dst)
+            if self.faults.fire("crash_after_write"):
+                os._exit(17)
         except Exception as e:  # noqa: BLE001 - the transfer failed: nothing was committed
             self.engine.release(seq.rid)
             self.loop.call_soon_threadsafe(self._settle, seq.rid, EngineError(f"KV transfer failed: {e}"))
@@ -85,7 +95,11 @@ class PrefillService:
     async def _commit(self, rid: int, commit: P.Commit) -> None:
         p, _ = self.pending.get(rid, (None, None))
         try:
+            if self.faults.fire("drop_commit"):
+                raise httpx.ConnectError("commit dropped (fault)")
             r = await self.client.post(p.decode_url + "/kv/commit", content=P.encode(commit))
+            if self.faults.fire("duplicate_commit"):
+                r = await self.client.post(p.decode_url + "/kv/commit", content=P.encode(commit))
             ack = P.decode(r.content, P.Ack)
         except Exception as e:  # noqa: BLE001 - decode unreachable: the router will fence and fail it
             ack = P.Ack(ok=False, status=503, code="decode_unreachable", message=f"commit not delivered: {e}")

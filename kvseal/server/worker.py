@@ -28,7 +28,9 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         from kvseal.transfer.shm import ShmWriter
 
         engine, lm, sizing = build_engine(spec, role="prefill", metrics=metrics)
-        app = prefill_app(PrefillService(engine, ShmWriter(), f"http://{host}:{port}"))
+        from kvseal.faults import Faults
+
+        app = prefill_app(PrefillService(engine, ShmWriter(), f"http://{host}:{port}", Faults.from_env()))
     print(f"{role} worker on {host}:{port}\n{sizing.table()}", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -47,7 +49,9 @@ def serve_router(a: argparse.Namespace) -> None:
 
     path = Path(a.model) if a.model else default_model_path()
     name = path.stem if path.is_file() else path.name
-    backend = DisaggBackend(a.prefill, a.decode, name, timeout=a.timeout)
+    from kvseal.cli import protections
+
+    backend = DisaggBackend(a.prefill, a.decode, name, timeout=a.timeout, protections=protections(a))
     metrics = Metrics()
     app = create_app(backend, load_tokenizer(path), metrics, Tenants.parse(a.api_key))
 

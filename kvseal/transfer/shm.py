@@ -59,3 +59,7 @@ class ShmWriter:
         s = torch.tensor(src_pages, dtype=torch.int64)
         d = torch.tensor(dst_pages, dtype=torch.int64)
         dst[:, :, :, d] = src[:, :, :, s]
+
+    def corrupt(self, path: str, shape: list[int], dtype: torch.dtype, dst_pages: list[int]) -> None:
+        """Fault injection only: overwrite one slot of the first written page."""
+        self.target(path, shape, dtype)[0, 0, 0, dst_pages[0], 0].fill_(3.0)

@@ -1,0 +1,92 @@
+"""Disaggregated prefill/decode: same tokens as colocated, worker death fails fast, pools conserved."""
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from conftest import MODEL, Server, free_port, wait_pages_back
+
+PROMPTS = ["Write a haiku about the sea.", "List three colors.", "What is the capital of Germany?"]
+
+
+@pytest.fixture(scope="module")
+def disagg():
+    s = Server(["serve", "--kv-pool-tokens", "16384"])
+    yield s
+    s.stop()
+
+
+def chat(url, text, n=24, **kw):
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                                       "max_tokens": n, "temperature": 0, **kw}, timeout=120)
+    return r
+
+
+def test_disaggregated_greedy_equals_colocated(disagg, colocated):
+    for p in PROMPTS:
+        a, b = chat(disagg.url, p), chat(colocated.url, p)
+        assert a.status_code == b.status_code == 200
+        assert a.json()["choices"][0]["message"]["content"] == b.json()["choices"][0]["message"]["content"]
+    wait_pages_back(disagg)
+
+
+def test_disaggregated_streaming_and_errors_keep_status(disagg):
+    with httpx.stream("POST", disagg.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True},
+            timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    r = httpx.post(disagg.url + "/v1/completions", json={"model": MODEL, "prompt": [5] * 100, "max_tokens": 8100})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    wait_pages_back(disagg)
+
+
+def test_client_disconnect_mid_stream_frees_both_pools(disagg):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 1500,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", disagg.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    wait_pages_back(disagg)
+
+
+def test_kill_decode_mid_stream_fails_fast_and_other_decode_serves():
+    """Router over 1 prefill + 2 decodes; kill -9 the decode serving a stream: error, not a hang."""
+    pp, d1, d2 = free_port(), free_port(), free_port()
+    workers = [Server(["prefill", "--kv-pool-tokens", "16384"]), Server(["decode", "--kv-pool-tokens", "16384"]),
+               Server(["decode", "--kv-pool-tokens", "16384"])]
+    del pp, d1, d2
+    router = Server(["router", "--prefill", workers[0].url, "--decode", workers[1].url, "--decode", workers[2].url,
+                     "--timeout", "10"])
+    try:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "stream": True, "ignore_eos": True,
+                "temperature": 0}
+        t0 = time.time()
+        killed = None
+        got_error = False
+        try:
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+                for i, line in enumerate(r.iter_lines()):
+                    if i == 4:
+                        busy = [w for w in workers[1:] if w.health()["running"] > 0]
+                        killed = busy[0]
+                        os.killpg(killed.proc.pid, signal.SIGKILL)
+                    if '"error"' in line:
+                        got_error = True
+                        break
+        except httpx.HTTPError:
+            got_error = True
+        assert killed is not None and got_error and time.time() - t0 < 30
+        survivor = workers[2] if killed is workers[1] else workers[1]
+        time.sleep(2.5)  # a health round marks the dead worker
+        ok = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 5},
+                        timeout=60)
+        assert ok.status_code == 200
+        wait_pages_back(survivor)
+        wait_pages_back(workers[0])
+    finally:
+        for s in [router, *workers]:
+            s.stop()
