@@ -92,18 +92,38 @@ class RssSampler:
         self._stop.set()
 
 
+def hf_model(dtype: "torch.dtype", path: str | None = None) -> object:
+    """A plain transformers LlamaForCausalLM holding the same dequantized weights kvseal serves.
+
+    transformers' own GGUF loader (5.x) keeps the weights packed and dequantizes in every matmul, which makes
+    it several times slower than an ordinary bf16 model; the baseline should be HF at its best.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvseal.model.loader import _read_gguf, default_model_path
+
+    cfg, raw = _read_gguf(Path(path) if path else default_model_path(), progress=False)
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
+                         max_position_embeddings=cfg.max_context, tie_word_embeddings=cfg.tie_embeddings,
+                         bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids))
+    m = LlamaForCausalLM(hf_cfg)
+    m.load_state_dict(raw, strict=False)
+    m.tie_weights()
+    return m.to(dtype).eval()
+
+
 def hf_baseline(streams: list[int], n_prompt: int, n_out: int, dtype: str) -> list[dict]:
-    """transformers ``generate`` on the same GGUF model, batch = streams, exactly n_out new tokens."""
+    """transformers ``generate`` on the same model, batch = streams, exactly n_out new tokens."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from kvseal.engine.build import off_main_thread
-    from kvseal.model.loader import default_model_path
 
     def run() -> list[dict]:
-        path = default_model_path()
         dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt)
+        hf = hf_model(dt)
         out = []
         for b in streams:
             x = torch.randint(100, 40000, (b, n_prompt))

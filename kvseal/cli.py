@@ -11,6 +11,10 @@ import argparse
 import os
 import sys
 
+# Must precede the first torch import. libgomp's idle workers spin ~300k iterations by default, starving
+# the HTTP thread on a small machine; 100k measured best here (bench/README: 32 streams, ~+15%).
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+
 from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec
 

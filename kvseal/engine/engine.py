@@ -47,6 +47,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = False
         self.step_hook: Callable[[list[Sequence]], None] | None = None  # faults and tests only
+        self.after_step: list[Callable[[], None]] = []  # e.g. flush a step's events to the HTTP loop at once
         self._thread = threading.Thread(target=self._loop, name=f"kvseal-engine-{role}", daemon=True)
 
     # -- thread boundary --------------------------------------------------------------------------------
@@ -98,6 +99,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - a bug must fail requests, not hang them
                 for s in list(self.running) + list(self.waiting):
                     self._finish(s, "error", EngineError(f"engine step failed: {e!r}"), quarantine=True)
+            for fn in self.after_step:
+                fn()
 
     def _drain(self, block: bool) -> None:
         try:

@@ -58,16 +58,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and a *signed* sin: ``rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin)``, one op fewer."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
     freqs = torch.outer(torch.arange(cfg.max_context, dtype=torch.float32), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    half = cfg.head_dim // 2
+    return emb.cos().to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin``, bit for bit (negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -116,15 +118,20 @@ class LlamaModel:
         cos = self.cos[b.positions].unsqueeze(2)  # [B, T, 1, D]
         sin = self.sin[b.positions].unsqueeze(2)
         pages = b.read_pages.reshape(-1)
+        all_real = b.write_index.numel() == bsz * t  # decode: no padding to skip
         n_ctx = b.read_pages.shape[1] * kv.shape[4]
         for i, layer in enumerate(self.w.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
-            q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = apply_rope(q.view(bsz, t, cfg.num_heads, dim), cos, sin)
-            k = apply_rope(k.view(bsz, t, kvh, dim), cos, sin)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            qk = apply_rope(qkv[..., : self.q_size + self.kv_size].view(bsz, t, cfg.num_heads + kvh, dim), cos, sin)
+            q, k = qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads:]
+            v = qkv[..., self.q_size + self.kv_size:]
             for j, new in ((0, k), (1, v)):
                 flat = kv[i, j].view(kvh, -1, dim)  # [KVH, pages * page_size, D]
-                flat.index_copy_(1, b.write_slots, new.reshape(bsz * t, kvh, dim)[b.write_index].transpose(0, 1))
+                new = new.reshape(bsz * t, kvh, dim)
+                if not all_real:
+                    new = new.index_select(0, b.write_index)
+                flat.index_copy_(1, b.write_slots, new.transpose(0, 1))
             keys = kv[i, 0].index_select(1, pages).view(kvh, bsz, n_ctx, dim)
             vals = kv[i, 1].index_select(1, pages).view(kvh, bsz, n_ctx, dim)
             x = x + F.linear(paged_attention(q, keys, vals, b.mask), layer.wo)

@@ -23,7 +23,7 @@ from kvseal.engine.errors import ContextLengthError, EngineError, KVIntegrityErr
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.kv.pool import PageRun, PageState
-from kvseal.server.backend import drain, event_queue, pool_health
+from kvseal.server.backend import StepBatcher, drain, pool_health
 from kvseal.transfer import protocol as P
 
 
@@ -55,6 +55,7 @@ class DecodeService:
         self.leases: dict[int, LeaseState] = {}
         self.faults = faults
         self.prot = engine.cfg.protections
+        self.batcher = StepBatcher(engine)
 
     # -- reserve ----------------------------------------------------------------------------------------
     async def reserve(self, r: P.Reserve) -> P.Lease:
@@ -70,8 +71,8 @@ class DecodeService:
         run = await asyncio.wrap_future(self.engine.call(take))
         if run is None:
             raise Overloaded(f"decode KV pool full ({self.pool.num_free} pages free, {need} needed)")
-        q, sink = event_queue()
-        st = LeaseState(r, run, secrets.randbits(62), q, sink)
+        q: asyncio.Queue = asyncio.Queue()
+        st = LeaseState(r, run, secrets.randbits(62), q, self.batcher.sink_for(q))
         self.leases[r.rid] = st
         return P.Lease(rid=r.rid, nonce=st.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
@@ -140,7 +141,7 @@ class DecodeService:
                 self.engine.quarantined[a.rid] = st.run
 
             await asyncio.wrap_future(self.engine.call(q))
-            st.sink(Event(a.rid, (), "abort"))
+            st.queue.put_nowait(Event(a.rid, (), "abort"))  # loop thread: straight to the queue
         if a.writer_done and st.aborted and not st.committed:
             await self.writer_done(P.WriterDone(rid=a.rid, nonce=st.nonce))
         return {"found": True}
