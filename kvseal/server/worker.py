@@ -17,26 +17,43 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
     metrics = Metrics()
     if role == "decode":
         from kvseal.server.decode import DecodeService, decode_app
-        from kvseal.transfer.shm import ShmPool
 
-        shm = ShmPool(f"kvseal-decode-{port}-{os.getpid()}")
-        engine, lm, sizing = build_engine(spec, role="decode", storage=shm.create, metrics=metrics)
-        svc = DecodeService(engine, lm.model.cfg.eos_token_ids, str(shm.path), f"{host}:{port}")
-        app = decode_app(svc)
+        pool = _decode_pool(transport, host, port)
+        engine, lm, sizing = build_engine(spec, role="decode", storage=pool.create, metrics=metrics)
+        target = str(pool.path) if transport == "shm" else pool.target
+        app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}"))
     else:
+        from kvseal.faults import Faults
         from kvseal.server.prefill import PrefillService, prefill_app
-        from kvseal.transfer.shm import ShmWriter
 
         engine, lm, sizing = build_engine(spec, role="prefill", metrics=metrics)
-        from kvseal.faults import Faults
-
-        app = prefill_app(PrefillService(engine, ShmWriter(), f"http://{host}:{port}", Faults.from_env()))
+        app = prefill_app(PrefillService(engine, _writer(transport, host), f"http://{host}:{port}", Faults.from_env()))
     print(f"{role} worker on {host}:{port}\n{sizing.table()}", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
         if role == "decode":
-            shm.close()
+            pool.close()
+
+
+def _decode_pool(transport: str, host: str, port: int) -> object:
+    if transport == "mooncake":
+        from kvseal.transfer.mooncake import MooncakePool
+
+        return MooncakePool(host)
+    from kvseal.transfer.shm import ShmPool
+
+    return ShmPool(f"kvseal-decode-{port}-{os.getpid()}")
+
+
+def _writer(transport: str, host: str) -> object:
+    if transport == "mooncake":
+        from kvseal.transfer.mooncake import MooncakeWriter
+
+        return MooncakeWriter(host)
+    from kvseal.transfer.shm import ShmWriter
+
+    return ShmWriter()
 
 
 def serve_router(a: argparse.Namespace) -> None:

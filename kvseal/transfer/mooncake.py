@@ -1,0 +1,106 @@
+"""The ``mooncake`` transport: one-sided writes with Mooncake's TransferEngine (TCP here, RDMA on clusters).
+
+Both pools are registered with their worker's engine (``P2PHANDSHAKE`` metadata, no etcd). The decode lease
+names ``host:rpc_port|pool_address``; prefill writes each page straight into the leased decode page. In the
+pool layout ``[L, 2, KVH, pages, slot, D]`` a page is ``L*2*KVH`` chunks of ``page_size*D`` elements, and
+runs of pages consecutive on both sides merge into one chunk per slab, so the allocator's habit of handing
+out consecutive pages turns into large transfers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+def _engine(host: str) -> object:
+    from mooncake.engine import TransferEngine
+
+    e = TransferEngine()
+    rc = e.initialize(host, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"mooncake TransferEngine.initialize({host!r}) failed: {rc}")
+    return e
+
+
+class MooncakePool:
+    """Decode side: registers the pool and says where it is."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.engine = _engine(host)
+        self.kv: torch.Tensor | None = None
+
+    def create(self, cfg: object, m: object, dtype: torch.dtype) -> torch.Tensor:
+        from kvseal.transfer.shm import pool_shape
+
+        self.kv = torch.empty(pool_shape(cfg, m), dtype=dtype)
+        if self.engine.register_memory(self.kv.data_ptr(), self.kv.nbytes) != 0:
+            raise RuntimeError("mooncake register_memory failed for the decode pool")
+        return self.kv
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.engine.get_rpc_port()}|{self.kv.data_ptr()}"
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.engine.unregister_memory(self.kv.data_ptr())
+
+
+def chunks(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+    """(src_page, dst_page, n) runs consecutive on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_pages, dst_pages):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+class MooncakeWriter:
+    """Prefill side: registers its own pool once, then writes pages with one batched transfer."""
+
+    name = "mooncake"
+
+    def __init__(self, host: str) -> None:
+        self.engine = _engine(host)
+        self._registered: set[int] = set()
+        self._scratch = torch.full((4096,), 3.0)
+        self._register(self._scratch)
+
+    def _register(self, t: torch.Tensor) -> None:
+        if t.data_ptr() not in self._registered:
+            if self.engine.register_memory(t.data_ptr(), t.nbytes) != 0:
+                raise RuntimeError("mooncake register_memory failed")
+            self._registered.add(t.data_ptr())
+
+    def plan(self, src: torch.Tensor, src_pages: list[int], layout: list[int], base: int,
+             dst_pages: list[int]) -> tuple[list[int], list[int], list[int]]:
+        slabs = math.prod(layout[:3])
+        page_bytes = math.prod(layout[4:]) * src.element_size()
+        runs = np.array(chunks(src_pages, dst_pages), dtype=np.int64).reshape(-1, 3)
+        slab = np.arange(slabs, dtype=np.int64)[:, None]
+        s_ptr = src.data_ptr() + (slab * src.shape[3] + runs[None, :, 0]) * page_bytes
+        d_ptr = base + (slab * layout[3] + runs[None, :, 1]) * page_bytes
+        lens = np.broadcast_to(runs[None, :, 2] * page_bytes, s_ptr.shape)
+        return s_ptr.ravel().tolist(), d_ptr.ravel().tolist(), lens.ravel().tolist()
+
+    def write(self, src: torch.Tensor, src_pages: list[int], target: str, layout: list[int],
+              dst_pages: list[int]) -> None:
+        self._register(src)
+        session, base = target.rsplit("|", 1)
+        s, d, n = self.plan(src, src_pages, layout, int(base), dst_pages)
+        rc = self.engine.batch_transfer_sync_write(session, s, d, n)
+        if rc != 0:
+            raise RuntimeError(f"mooncake batch write to {session} failed: {rc}")
+
+    def corrupt(self, target: str, layout: list[int], dtype: torch.dtype, dst_pages: list[int]) -> None:
+        """Fault injection only: overwrite the start of the first written page with garbage."""
+        session, base = target.rsplit("|", 1)
+        elem = torch.empty((), dtype=dtype).element_size()
+        page_bytes = math.prod(layout[4:]) * elem
+        self.engine.transfer_sync_write(session, self._scratch.data_ptr(), int(base) + dst_pages[0] * page_bytes, 64)
