@@ -14,6 +14,8 @@ import math
 import numpy as np
 import torch
 
+from kvseal.transfer.runs import chunks
+
 
 def _engine(host: str) -> object:
     from mooncake.engine import TransferEngine
@@ -48,17 +50,6 @@ class MooncakePool:
     def close(self) -> None:
         if self.kv is not None:
             self.engine.unregister_memory(self.kv.data_ptr())
-
-
-def chunks(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
-    """(src_page, dst_page, n) runs consecutive on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_pages, dst_pages):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 class MooncakeWriter:
