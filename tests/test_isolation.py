@@ -107,3 +107,28 @@ def test_checksum_catches_a_corrupted_page_write(unsafe, expect):
     finally:
         for s in (router, dec, pre):
             s.stop()
+
+
+@pytest.mark.parametrize("fault,status", [
+    ("skip_page_write", 500),  # checksum: the bytes in decode's pool are not what prefill hashed
+    ("duplicate_commit", 200),  # the second commit changes nothing
+    ("drop_commit", 503),  # decode never hears: the lease is dropped, pages come back
+    ("crash_after_write", 503),  # prefill dies between writes and commit: fenced, pages come back
+])
+def test_protocol_faults_end_cleanly(fault, status):
+    env = {"KVSEAL_FAULTS": fault}
+    pre = Server(["prefill", "--kv-pool-tokens", "8192"], env=env)
+    dec = Server(["decode", "--kv-pool-tokens", "8192"])
+    router = Server(["router", "--prefill", pre.url, "--decode", dec.url, "--timeout", "10"])
+    try:
+        r = httpx.post(router.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == status, r.text
+        if status == 200:
+            assert "Paris" in r.json()["choices"][0]["text"]
+        wait_pages_back(dec, timeout=30)
+        if fault != "crash_after_write":
+            wait_pages_back(pre)
+    finally:
+        for s in (router, dec, pre):
+            s.stop()

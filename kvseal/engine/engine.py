@@ -198,12 +198,14 @@ class Engine:
             self.waiting.remove(s)
         s.phase = Phase.DONE
         self.seqs.pop(s.rid, None)
-        if s.run is not None:
-            if quarantine:
+        try:
+            if s.run is not None and quarantine:
                 self.pool.quarantine(s.run)
                 self.quarantined[s.rid] = s.run
-            else:
+            elif s.run is not None:
                 self.pool.free(s.run)
+        except RuntimeError as e:  # a double free is a bug; the request must still end, with an error
+            reason, error = "error", EngineError(f"request {s.rid}: {e}")
         s.sink(Event(s.rid, (), reason, error))
 
     def release_quarantine(self, rid: int) -> bool:

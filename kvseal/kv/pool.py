@@ -95,7 +95,7 @@ class PagePool:
         self.generation[idx] += 1
         self.state[idx] = int(PageState.FREE)
         if self.cfg.scrub_on_free:
-            self.kv[:, :, :, idx] = 0
+            self.kv.index_fill_(3, idx, 0)
         self._free.extend(run.pages)
 
     # -- the read-side check --------------------------------------------------------------------------

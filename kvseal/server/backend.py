@@ -108,8 +108,14 @@ class EngineBackend:
         return {"status": "ok", "pools": [await pool_health(self.engine)]}
 
 
-async def pool_health(engine: Engine) -> dict:
-    """Load and a conservation check, taken on the engine thread so it sees a consistent pool."""
+async def pool_health(engine: Engine, quick: bool = False) -> dict:
+    """Load and a conservation check, taken on the engine thread so it sees a consistent pool.
+
+    ``quick`` (the router's liveness probe) reads the counters without waiting behind an engine step: a
+    probe that queues behind a long prefill would time out and get a healthy worker fenced.
+    """
+    if quick:
+        return {**engine.load, "role": engine.role}
 
     def probe() -> dict:
         try:

@@ -36,7 +36,14 @@ class LeaseState:
     sink: object
     committed: bool = False
     aborted: bool = False
+    checksum: str = ""
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class LeaseRevoked(Overloaded):
+    """A commit for a lease that was aborted or fenced: refused, nothing read. A fault, not corruption."""
+
+    code = "lease_revoked"
 
 
 def ack_error(e: EngineError) -> Response:
@@ -82,7 +89,11 @@ class DecodeService:
     async def commit(self, c: P.Commit) -> P.Ack:
         st = self.leases.get(c.rid)
         if st is None or st.nonce != c.nonce or st.aborted:
-            raise KVIntegrityError(f"commit for request {c.rid}: no live lease with that nonce")
+            why = "no lease" if st is None else ("wrong nonce" if st.nonce != c.nonce else "lease revoked")
+            raise LeaseRevoked(f"commit for request {c.rid} refused: {why}; its pages were never readable")
+        if st.committed:  # a duplicated commit: already verified and running, change nothing
+            return P.Ack(ok=st.checksum == c.checksum, status=409, code="duplicate_commit",
+                         message="commit already accepted", first_token=c.first_token)
         k = self.pool.cfg.pages_for(len(st.reserve.prompt))
         covered = (c.n_tokens == len(st.reserve.prompt) and c.pages == list(st.run.pages[:k])
                    and c.generations == list(st.run.generations[:k]))
@@ -105,6 +116,7 @@ class DecodeService:
                 return self._reject(st, KVIntegrityError(f"request {rid}: KV checksum mismatch"))
         self.pool.set_state(st.run, PageState.OWNED)
         st.committed = True
+        st.checksum = c.checksum
         r = st.reserve
         params = SamplingParams(max_tokens=r.max_new, **r.sampling)
         seq = Sequence(rid, list(r.prompt), params, st.sink, eos_ids=self.eos,
@@ -137,6 +149,9 @@ class DecodeService:
             st.aborted = True
 
             def q() -> None:
+                if not self.prot.deferred_release:  # unsafe: straight back to the free list
+                    self.pool.free(st.run)
+                    return
                 self.pool.quarantine(st.run)
                 self.engine.quarantined[a.rid] = st.run
 
@@ -217,7 +232,7 @@ def decode_app(svc: DecodeService) -> FastAPI:
         return StreamingResponse(await svc.stream(rid), media_type="application/x-ndjson")
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", **await pool_health(svc.engine), "leases": len(svc.leases)})
+    async def health(quick: bool = False) -> JSONResponse:
+        return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick), "leases": len(svc.leases)})
 
     return app

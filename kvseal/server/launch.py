@@ -38,7 +38,12 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     for role, port in ports.items():
         argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
                 "--transport", a.transport, *_worker_argv(a)]
-        procs.append(subprocess.Popen(argv))
+        env = dict(os.environ)
+        if role == "prefill":
+            # Sharing cores with decode: prefill's idle OpenMP workers must sleep, not spin, or they steal
+            # decode's cores between prefills. Its big matmuls barely notice the wake-up cost.
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        procs.append(subprocess.Popen(argv, env=env))
     try:
         for role, port in ports.items():
             _wait_healthy(f"http://{a.host}:{port}", procs)

@@ -87,6 +87,8 @@ class PrefillService:
             self.engine.release(seq.rid)
             self.loop.call_soon_threadsafe(self._settle, seq.rid, EngineError(f"KV transfer failed: {e}"))
             return
+        if not self.engine.cfg.protections.deferred_release:
+            self.engine.release(seq.rid)  # unsafe: free before decode has even seen the commit
         digest = P.checksum(self.engine.pool.kv, src, n, seq.rid, lease.nonce, dst, lease.generations[:k])
         commit = P.Commit(rid=seq.rid, nonce=lease.nonce, n_tokens=n, first_token=seq.tokens[-1], pages=dst,
                           generations=lease.generations[:k], checksum=digest)
@@ -128,7 +130,7 @@ def prefill_app(svc: PrefillService) -> FastAPI:
         return Response(P.encode(ack), status_code=200 if ack.ok else ack.status, media_type="application/json")
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", **await pool_health(svc.engine)})
+    async def health(quick: bool = False) -> JSONResponse:
+        return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick)})
 
     return app

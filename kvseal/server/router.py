@@ -35,6 +35,7 @@ class Worker:
     healthy: bool = False
     info: dict = field(default_factory=dict)
     inflight: int = 0
+    misses: int = 0  # consecutive failed probes
 
     @property
     def score(self) -> tuple:
@@ -55,6 +56,8 @@ def remote_error(status: int, body: bytes) -> EngineError:
 
 
 class DisaggBackend:
+    FENCE_AFTER = 3
+
     def __init__(self, prefill: list[str], decode: list[str], model_name: str, timeout: float = 30.0,
                  protections: Protections = Protections()) -> None:
         self.prefills = [Worker(u.rstrip("/"), "prefill") for u in prefill]
@@ -67,6 +70,7 @@ class DisaggBackend:
         self.context_window = 0
         self.pool_tokens = 0
         self._tasks: set[asyncio.Task] = set()
+        self.probe_timeout = 5.0
 
     # -- health -----------------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -77,14 +81,16 @@ class DisaggBackend:
             self.pool_tokens = min(w.info["pool_tokens"] for w in live)
 
     async def _probe(self, w: Worker) -> None:
-        was = w.healthy
+        """Skip a worker at its first missed probe; fence a prefill only after FENCE_AFTER misses in a row,
+        since fencing revokes every lease it is writing."""
         try:
-            r = await self.client.get(w.url + "/health", timeout=2.0)
-            w.info, w.healthy = r.json(), r.status_code == 200
+            r = await self.client.get(w.url + "/health", params={"quick": "true"}, timeout=self.probe_timeout)
+            w.info, w.healthy, w.misses = r.json(), r.status_code == 200, 0
         except (httpx.HTTPError, ValueError):
             w.healthy = False
-        if was and not w.healthy and w.role == "prefill":
-            await self._fence(w)
+            w.misses += 1
+            if w.role == "prefill" and w.misses == self.FENCE_AFTER:
+                await self._fence(w)
 
     async def _fence(self, dead: Worker) -> None:
         for d in self.decodes:

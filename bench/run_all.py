@@ -1,0 +1,101 @@
+"""All serving benchmarks in one run, on one machine: writes bench/out/summary.json (+ per-run JSON/PNG).
+
+1. colocated vs disaggregated (shm) at 1, 8, 32 streams × (128 prompt, 128 output), with HF ``generate``.
+2. hardened vs all protections off (disaggregated), interleaved repetitions at 8 and 32 streams.
+3. micro-costs of each protection on the hot path (bench/protections.py) and the transfer bandwidths.
+Takes ~15 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+OUT = Path("bench/out")
+ENV = {**os.environ, "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "4096", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "4096"}
+
+
+class Serve:
+    def __init__(self, port: int, *args: str) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.p = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "serve", "--port", str(port), *args],
+                                  env={**ENV, "KVSEAL_UNSAFE": "1"}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(self.url)
+
+    def stop(self) -> None:
+        os.killpg(self.p.pid, 15)
+        self.p.wait(30)
+
+
+def bench(url: str, streams: str, out: str, pid: int | None = None, hf: bool = False) -> dict:
+    from kvseal.bench import add_args, run
+
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    argv = ["--url", url, "--streams", streams, "--out", str(OUT / out)]
+    if pid:
+        argv += ["--server-pid", str(pid)]
+    if hf:
+        argv.append("--hf-baseline")
+    return run(ap.parse_args(argv))
+
+
+def ratio(a: dict, b: dict, key: str) -> dict:
+    return {str(x["streams"]): x[key] / y[key] for x, y in zip(a["levels"], b["levels"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=2)
+    a = ap.parse_args()
+    summary: dict = {}
+    s = Serve(8100, "--colocated")
+    colo = bench(s.url, "1,8,32", "colocated", s.p.pid, hf=True)
+    s.stop()
+    s = Serve(8110)
+    dis = bench(s.url, "1,8,32", "disaggregated", s.p.pid)
+    s.stop()
+    summary["colocated"], summary["disaggregated"] = colo, dis
+    summary["disagg_over_colocated_tok_s"] = ratio(dis, colo, "output_tok_s")
+    summary["colocated_over_hf"] = colo["ratio_vs_hf"]
+
+    hard, soft = Serve(8120), Serve(8130, "--unsafe-no-all")
+    runs: dict = {"hardened": [], "unsafe": []}
+    for rep in range(a.reps):  # interleaved so drift hits both alike
+        for name, srv in (("hardened", hard), ("unsafe", soft)) if rep % 2 == 0 else (("unsafe", soft), ("hardened", hard)):
+            runs[name].append(bench(srv.url, "8,32", f"prot_{name}_{rep}"))
+    hard.stop()
+    soft.stop()
+    summary["protections"] = {k: _mean(v) for k, v in runs.items()}
+    h, u = summary["protections"]["hardened"], summary["protections"]["unsafe"]
+    summary["hardened_over_unsafe"] = {
+        st: {"tok_s": h[st]["output_tok_s"] / u[st]["output_tok_s"], "ttft_p99": h[st]["ttft_p99"] / u[st]["ttft_p99"],
+             "itl_p99": h[st]["itl_p99"] / u[st]["itl_p99"]} for st in h}
+    (OUT / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if "over" in k}, indent=2))
+
+
+def _mean(results: list[dict]) -> dict:
+    out = {}
+    for lv in zip(*[r["levels"] for r in results]):
+        out[str(lv[0]["streams"])] = {k: sum(x[k] for x in lv) / len(lv) for k in ("output_tok_s", "ttft_p99", "itl_p99")}
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Each protection against the fault that attacks it, with the protection on (caught) and off (damage seen)."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from engine_util import chat_ids, make_engine
+
+from kvseal.config import EngineConfig, PoolConfig, Protections
+from kvseal.engine.engine import Engine
+from kvseal.engine.errors import KVIntegrityError, Overloaded
+from kvseal.engine.sampling import SamplingParams
+from kvseal.engine.sequence import Sequence
+from kvseal.kv.pool import PagePool
+from kvseal.server.decode import DecodeService, LeaseRevoked
+from kvseal.transfer import protocol as P
+
+
+# -- abort-ack retention: a late write never lands in a page handed to another request -----------------
+def decode_service(prot: Protections) -> DecodeService:
+    cfg = EngineConfig(pool=PoolConfig(num_pages=2, page_size=16), dtype="fp32", protections=prot)
+    pool = PagePool(cfg.pool, 2, 1, 8, torch.float32)
+    return DecodeService(Engine(cfg, None, pool, role="decode").start(), (), "unused", "d0")
+
+
+def reserve(rid: int) -> P.Reserve:
+    return P.Reserve(rid=rid, tenant="t", prompt=[1] * 20, max_new=4, sampling={}, prefill_id="p0")
+
+
+async def late_write_scenario(prot: Protections) -> dict:
+    svc = decode_service(prot)
+    try:
+        l1 = await svc.reserve(reserve(1))  # both pages of the pool
+        await svc.abort(P.Abort(rid=1))  # client gone; prefill has not said it stopped writing
+        try:
+            l2 = await svc.reserve(reserve(2))
+        except Overloaded:
+            l2 = None
+        svc.pool.kv[:, :, :, l1.pages] = 7.0  # prefill's late write for request 1 lands now
+        hit = l2 is not None and bool((svc.pool.kv[:, :, :, l2.pages] == 7.0).any())
+        released = await svc.writer_done(P.WriterDone(rid=1, nonce=l1.nonce))
+        late_commit_refused = True
+        try:
+            await svc.commit(P.Commit(rid=1, nonce=l1.nonce, n_tokens=20, first_token=0, pages=l1.pages[:2],
+                                      generations=l1.generations[:2], checksum=""))
+            late_commit_refused = False
+        except LeaseRevoked:
+            pass
+        await asyncio.wrap_future(svc.engine.call(svc.pool.check_integrity))
+        return {"l2": l2, "hit": hit, "released": released, "refused": late_commit_refused,
+                "free": svc.pool.num_free}
+    finally:
+        svc.engine.stop()
+
+
+def test_abort_ack_retention_keeps_late_writes_out_of_other_requests():
+    r = asyncio.run(late_write_scenario(Protections()))
+    assert r["l2"] is None  # quarantined pages are not handed out: request 2 waits (503), never shares them
+    assert not r["hit"] and r["released"]["released"] and r["refused"]
+    assert r["free"] == 2  # WriterDone gave the pages back
+
+
+def test_without_retention_the_late_write_corrupts_the_next_owner():
+    r = asyncio.run(late_write_scenario(Protections(deferred_release=False)))
+    assert r["l2"] is not None and r["hit"], "the unprotected pool should hand the pages on and be overwritten"
+
+
+# -- page tags: a page table that went stale is never read --------------------------------------------------
+def stale_table_run(lm, prot: Protections) -> dict:
+    prompt = chat_ids(lm, "List three colors.")
+    pages = -(-(len(prompt) + 40) // 16)  # exactly the victim's reservation: the thief gets the same pages
+    engine = make_engine(lm, pages=pages, protections=prot)
+    events = []
+    victim = Sequence(901, prompt, SamplingParams(max_tokens=40, temperature=0), events.append)
+
+    def steal() -> None:  # a scheduler bug: the victim's pages are freed and handed to someone else
+        engine.pool.free(victim.run)
+        engine.pool.allocate(902, len(victim.run.pages))
+
+    try:
+        engine.submit(victim).result()
+        deadline = time.time() + 60
+        while len(events) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        engine.call(steal).result()
+        while not (events and events[-1].finish_reason) and time.time() < deadline:
+            time.sleep(0.05)
+        return {"final": events[-1], "quarantined": engine.pool.counts()["quarantined"]}
+    finally:
+        engine.stop()
+
+
+def test_page_tags_fail_a_stale_table_closed(fp32_model):
+    r = stale_table_run(fp32_model, Protections())
+    assert r["final"].finish_reason == "error" and isinstance(r["final"].error, KVIntegrityError)
+    assert r["quarantined"] > 0
+
+
+def test_without_page_tags_the_stale_pages_are_read(fp32_model):
+    r = stale_table_run(fp32_model, Protections(page_tags=False))
+    assert r["final"].finish_reason in ("stop", "length")  # served from pages it no longer owns
+
+
+# -- admission boundaries -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,ok", [(1023, True), (1024, True), (1025, False)])
+def test_engine_admission_boundary(fp32_model, n, ok):
+    """The engine's own re-check: prompt + max_tokens against min(context, pool) = 1024."""
+    engine = make_engine(fp32_model, pages=64, context_window=2048)
+    try:
+        seq = Sequence(5000 + n, [5] * (n - 1), SamplingParams(max_tokens=1, temperature=0), lambda ev: None)
+        fut = engine.submit(seq)
+        if ok:
+            fut.result()
+        else:
+            with pytest.raises(Exception, match="1024"):
+                fut.result()
+            assert engine.pool.num_free == 64  # rejected before any page was allocated
+    finally:
+        engine.stop()
