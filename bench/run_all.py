@@ -86,6 +86,11 @@ def main() -> None:
     summary["hardened_over_unsafe"] = {
         st: {"tok_s": h[st]["output_tok_s"] / u[st]["output_tok_s"], "ttft_p99": h[st]["ttft_p99"] / u[st]["ttft_p99"],
              "itl_p99": h[st]["itl_p99"] / u[st]["itl_p99"]} for st in h}
+    for script in ("bench/protections.py", "bench/transfer.py"):
+        subprocess.run([sys.executable, script], env=ENV, check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+    summary["protection_micro_costs"] = json.loads((OUT / "protections.json").read_text())
+    summary["transfer"] = json.loads((OUT / "transfer.json").read_text())
     (OUT / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if "over" in k}, indent=2))
 

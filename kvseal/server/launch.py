@@ -19,8 +19,12 @@ def _worker_argv(a: argparse.Namespace) -> list[str]:
     from kvseal.cli import UNSAFE_FLAGS
 
     out = []
+    # Two engines on one host: one OpenMP thread each unless told otherwise. Two 2-thread teams on 2 cores
+    # oversubscribe, and an OpenMP barrier waits for its slowest, descheduled thread (measured: 8 streams
+    # 98-118 tok/s with 2 threads each, 143 with 1).
+    out += ["--threads", str(a.threads or 1)]
     for flag in ("model", "dtype", "kv_pool_tokens", "kv_memory", "page_size", "context", "max_running",
-                 "prefill_token_budget", "threads"):
+                 "prefill_token_budget"):
         v = getattr(a, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]
@@ -38,12 +42,7 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     for role, port in ports.items():
         argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
                 "--transport", a.transport, *_worker_argv(a)]
-        env = dict(os.environ)
-        if role == "prefill":
-            # Sharing cores with decode: prefill's idle OpenMP workers must sleep, not spin, or they steal
-            # decode's cores between prefills. Its big matmuls barely notice the wake-up cost.
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        procs.append(subprocess.Popen(argv, env=env))
+        procs.append(subprocess.Popen(argv))
     try:
         for role, port in ports.items():
             _wait_healthy(f"http://{a.host}:{port}", procs)

@@ -105,7 +105,8 @@ class PrefillService:
             ack = P.decode(r.content, P.Ack)
         except Exception as e:  # noqa: BLE001 - decode unreachable: the router will fence and fail it
             ack = P.Ack(ok=False, status=503, code="decode_unreachable", message=f"commit not delivered: {e}")
-        self.engine.release(rid)  # deferred release: decode has answered (or is gone)
+        # deferred release: decode has answered (or is gone). Pool tags change on the engine thread only.
+        await asyncio.wrap_future(self.engine.call(lambda: self.engine.release(rid)))
         if not ack.ok:
             await self._writer_done(p, commit.nonce)
         self._settle(rid, ack)
