@@ -38,13 +38,6 @@ class Backend(Protocol):
     async def health(self) -> dict: ...
 
 
-def event_queue() -> tuple[asyncio.Queue, object]:
-    """A queue on the running loop and a thread-safe sink that feeds it."""
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue = asyncio.Queue()
-    return q, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
-
-
 async def drain(q: asyncio.Queue, on_exit: object) -> AsyncIterator[Event]:
     """Yield events until the final one; if the consumer leaves first, call ``on_exit``."""
     done = False
