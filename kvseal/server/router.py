@@ -134,22 +134,37 @@ class DisaggBackend:
                     "seed": req.params.seed, "stop_token_ids": list(req.params.stop_token_ids),
                     "ignore_eos": req.params.ignore_eos}
         d.inflight += 1
+        committed = finished = False
         try:
             lease = P.decode(await self._post(d, "/kv/reserve", P.Reserve(
                 rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
                 sampling=sampling, prefill_id=p.url)), P.Lease)
             msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
                             sampling=sampling, lease=lease, decode_url=d.url)
-            transfer = asyncio.ensure_future(self._transfer(p, d, msg))
-            self._tasks.add(transfer)
-            transfer.add_done_callback(self._tasks.discard)
-            # shield: a client that leaves now must not abort the transfer mid-flight
-            ack = await (asyncio.shield(transfer) if self.prot.disconnect_guard else transfer)
+            transfer = self._spawn(self._transfer(p, d, msg))
+            # shield: a client that leaves now must not abort the transfer mid-flight; once it has ended,
+            # stop the decode work it started
+            try:
+                ack = await (asyncio.shield(transfer) if self.prot.disconnect_guard else transfer)
+            except BaseException:
+                transfer.add_done_callback(lambda t: self._abort_after(t, d, req.rid))
+                raise
+            committed = True
             yield Event(req.rid, (ack.first_token,))
             async for ev in self._stream(d, req.rid):
+                finished = ev.finish_reason is not None
                 yield ev
         finally:
             d.inflight -= 1
+            if committed and not finished:  # client left or stream broke: stop decode, free its pages.
+                # A task, not an await: this finally may run inside a cancelled scope.
+                self._spawn(self._abort(d, req.rid, 0, writer_done=True))
+
+    def _spawn(self, coro: object) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _transfer(self, p: Worker, d: Worker, msg: P.Prefill) -> P.Ack:
         """Prefill's answer is final; on any failure, decode is told to drop the lease."""
@@ -160,6 +175,12 @@ class DisaggBackend:
             await self._abort(d, msg.rid, msg.lease.nonce, writer_done)
             raise
 
+    def _abort_after(self, transfer: asyncio.Task, d: Worker, rid: int) -> None:
+        """The client left during the transfer: if it committed, decode is running for nobody — stop it.
+        (A failed transfer has already dropped its lease in ``_transfer``.)"""
+        if not transfer.cancelled() and transfer.exception() is None:
+            self._spawn(self._abort(d, rid, 0, writer_done=True))
+
     async def _abort(self, d: Worker, rid: int, nonce: int, writer_done: bool) -> None:
         try:
             await self.client.post(d.url + "/kv/abort",
@@ -168,7 +189,6 @@ class DisaggBackend:
             pass
 
     async def _stream(self, d: Worker, rid: int) -> AsyncIterator[Event]:
-        finished = False
         try:
             async with self.client.stream("GET", f"{d.url}/stream/{rid}",
                                           timeout=httpx.Timeout(None, connect=2.0, read=self.timeout)) as r:
@@ -178,13 +198,9 @@ class DisaggBackend:
                     m = json.loads(line)
                     if m["error"]:
                         raise remote_error(m["error"]["status"], json.dumps(m["error"]).encode())
-                    finished = m["finish"] is not None
                     yield Event(rid, tuple(m["tokens"]), m["finish"])
-                    if finished:
+                    if m["finish"] is not None:
                         return
         except httpx.HTTPError as e:
             d.healthy = False
             raise Overloaded(f"decode worker {d.url} failed mid-stream: {type(e).__name__}") from None
-        finally:
-            if not finished:  # client left or stream broke: stop decode and free its pages
-                await self._abort(d, rid, 0, writer_done=True)
