@@ -140,8 +140,8 @@ class DecodeService:
     # -- endings ----------------------------------------------------------------------------------------
     async def abort(self, a: P.Abort) -> dict:
         st = self.leases.get(a.rid)
-        if st is None:
-            return {"found": False}
+        if st is None:  # lease bookkeeping already gone (stream closed first): the engine may still run it
+            return {"found": await asyncio.wrap_future(self.engine.abort(a.rid))}
         if st.committed:
             await asyncio.wrap_future(self.engine.abort(a.rid))
             self.leases.pop(a.rid, None)
