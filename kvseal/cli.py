@@ -32,7 +32,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="cap the served context at the pool instead of refusing to start")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--prefill-token-budget", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    p.add_argument("--share-cores", default=None, metavar="LOCKFILE",
+                   help="time-share the cores with other engines using the same lock file (one forward at a time)")
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when freed (costs bandwidth)")
     for name, flag in UNSAFE_FLAGS.items():
         p.add_argument(flag, dest=f"unsafe_{name}", action="store_true", help=argparse.SUPPRESS)
@@ -50,7 +52,7 @@ def worker_spec(a: argparse.Namespace) -> WorkerSpec:
     return WorkerSpec(model=a.model, dtype=a.dtype, kv_pool_tokens=a.kv_pool_tokens, kv_memory_gib=a.kv_memory,
                       page_size=a.page_size, context=a.context, allow_pool_below_context=a.allow_pool_below_context,
                       max_running=a.max_running, prefill_token_budget=a.prefill_token_budget, threads=a.threads,
-                      scrub_on_free=a.scrub_on_free, protections=protections(a))
+                      share_cores=a.share_cores, scrub_on_free=a.scrub_on_free, protections=protections(a))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ class WorkerSpec:
     max_running: int = 64
     prefill_token_budget: int = 2048
     threads: int = 0
+    share_cores: str | None = None  # lock file shared with another engine on this host (CoreLock)
     scrub_on_free: bool = False
     protections: Protections = Protections()
 
@@ -68,5 +69,10 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     cfg = EngineConfig(pool=pool_cfg, dtype=spec.dtype, max_running=spec.max_running,
                        prefill_token_budget=spec.prefill_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, protections=spec.protections)
-    engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics).start()
+    engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics)
+    if spec.share_cores:
+        from kvseal.engine.cores import CoreLock
+
+        engine.core_lock = CoreLock(spec.share_cores)
+    engine.start()
     return engine, lm, sizing

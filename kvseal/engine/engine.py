@@ -48,6 +48,7 @@ class Engine:
         self._stop = False
         self.step_hook: Callable[[list[Sequence]], None] | None = None  # faults and tests only
         self.after_step: list[Callable[[], None]] = []  # e.g. flush a step's events to the HTTP loop at once
+        self.core_lock: Any = None  # kvseal.engine.cores.CoreLock when another engine shares these cores
         self._thread = threading.Thread(target=self._loop, name=f"kvseal-engine-{role}", daemon=True)
 
     # -- thread boundary --------------------------------------------------------------------------------
@@ -120,7 +121,11 @@ class Engine:
             return
         if self.step_hook:
             self.step_hook(batch)
-        res = self.runner.step(batch)
+        if self.core_lock is None:
+            res = self.runner.step(batch)
+        else:
+            with self.core_lock:  # the host's cores are shared with another engine: one forward at a time
+                res = self.runner.step(batch)
         for s in res.failed:
             if self.metrics:
                 self.metrics.integrity_failures.inc()

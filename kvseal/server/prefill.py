@@ -105,11 +105,14 @@ class PrefillService:
             ack = P.decode(r.content, P.Ack)
         except Exception as e:  # noqa: BLE001 - decode unreachable: the router will fence and fail it
             ack = P.Ack(ok=False, status=503, code="decode_unreachable", message=f"commit not delivered: {e}")
-        # deferred release: decode has answered (or is gone). Pool tags change on the engine thread only.
-        await asyncio.wrap_future(self.engine.call(lambda: self.engine.release(rid)))
+        # Deferred release: decode has answered (or is gone), so these pages may go. Pool tags change on the
+        # engine thread only, and that call queues behind the engine's current step: the answer goes out first,
+        # so a first token never waits for the next prefill batch.
+        released = self.engine.call(lambda: self.engine.release(rid))
         if not ack.ok:
             await self._writer_done(p, commit.nonce)
         self._settle(rid, ack)
+        await asyncio.wrap_future(released)
 
     async def _writer_done(self, p: P.Prefill, nonce: int) -> None:
         try:
