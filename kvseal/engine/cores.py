@@ -15,7 +15,6 @@ import os
 
 class CoreLock:
     def __init__(self, path: str) -> None:
-        self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
     def __enter__(self) -> CoreLock:

@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ class Engine:
         self._stop = False
         self.step_hook: Callable[[list[Sequence]], None] | None = None  # faults and tests only
         self.after_step: list[Callable[[], None]] = []  # e.g. flush a step's events to the HTTP loop at once
-        self.core_lock: Any = None  # kvseal.engine.cores.CoreLock when another engine shares these cores
+        self.core_lock: Any = nullcontext()  # kvseal.engine.cores.CoreLock when another engine shares the cores
         self._thread = threading.Thread(target=self._loop, name=f"kvseal-engine-{role}", daemon=True)
 
     # -- thread boundary --------------------------------------------------------------------------------
@@ -121,11 +122,8 @@ class Engine:
             return
         if self.step_hook:
             self.step_hook(batch)
-        if self.core_lock is None:
+        with self.core_lock:  # a CoreLock when the host's cores are shared with another engine
             res = self.runner.step(batch)
-        else:
-            with self.core_lock:  # the host's cores are shared with another engine: one forward at a time
-                res = self.runner.step(batch)
         for s in res.failed:
             if self.metrics:
                 self.metrics.integrity_failures.inc()

@@ -25,7 +25,7 @@ def _worker_argv(a: argparse.Namespace) -> list[str]:
     # per worker, and TTFT p50 2 s instead of 5 s; two full teams without the lock oversubscribe (TTFT 12 s).
     if a.threads:
         out += ["--threads", str(a.threads)]
-    out += ["--share-cores", a.share_cores or f"/dev/shm/kvseal-cores-{a.port}-{os.getpid()}"]
+    out += ["--share-cores", _core_lock_path(a)]
     for flag in ("model", "dtype", "kv_pool_tokens", "kv_memory", "page_size", "context", "max_running",
                  "prefill_token_budget"):
         v = getattr(a, flag)
@@ -73,7 +73,11 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
         if not a.share_cores:
-            Path(f"/dev/shm/kvseal-cores-{a.port}-{os.getpid()}").unlink(missing_ok=True)
+            Path(_core_lock_path(a)).unlink(missing_ok=True)
+
+
+def _core_lock_path(a: argparse.Namespace) -> str:
+    return a.share_cores or f"/dev/shm/kvseal-cores-{a.port}-{os.getpid()}"
 
 
 def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
