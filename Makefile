@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvseal-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libibverbs1 iproute2; }
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

@@ -46,7 +46,7 @@ def measure() -> dict:
     pre.run = pool.allocate(99, 8)
     prefill = timed(lambda: lm.model.forward(pool.kv, runner.build([pre])), reps=3)
     pages = list(pre.run.pages)
-    digest = timed(lambda: P.checksum(pool.kv, pages, 128, 99, 1, pages, [0] * 8))
+    digest = timed(lambda: P.checksum(pool.kv, pages, 128, 99, 1, pages, [0] * 8, 0))
     idx = torch.tensor(seqs[0].run.pages)
     scrub = timed(lambda: pool.kv.index_fill_(3, idx, 0))
     return {"decode_step_b32_ms": step * 1e3, "tag_check_ms": tags * 1e3, "tag_share": tags / step,

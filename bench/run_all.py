@@ -59,11 +59,11 @@ def ratio(a: dict, b: dict, key: str) -> dict:
     return {str(x["streams"]): x[key] / y[key] for x, y in zip(a["levels"], b["levels"])}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=2)
-    a = ap.parse_args()
-    summary: dict = {}
+PARTS = ("serving", "protections", "micro")
+
+
+def serving(summary: dict) -> None:
+    """Colocated (with the HF baseline) and disaggregated at 1, 8, 32 streams."""
     s = Serve(8100, "--colocated")
     colo = bench(s.url, "1,8,32", "colocated", s.p.pid, hf=True)
     s.stop()
@@ -74,10 +74,14 @@ def main() -> None:
     summary["disagg_over_colocated_tok_s"] = ratio(dis, colo, "output_tok_s")
     summary["colocated_over_hf"] = colo["ratio_vs_hf"]
 
+
+def protections(summary: dict, reps: int) -> None:
+    """Hardened vs every protection off, both disaggregated, repetitions interleaved so drift hits both."""
     hard, soft = Serve(8120), Serve(8130, "--unsafe-no-all")
     runs: dict = {"hardened": [], "unsafe": []}
-    for rep in range(a.reps):  # interleaved so drift hits both alike
-        for name, srv in (("hardened", hard), ("unsafe", soft)) if rep % 2 == 0 else (("unsafe", soft), ("hardened", hard)):
+    for rep in range(reps):
+        pair = (("hardened", hard), ("unsafe", soft))
+        for name, srv in pair if rep % 2 == 0 else pair[::-1]:
             runs[name].append(bench(srv.url, "8,32", f"prot_{name}_{rep}"))
     hard.stop()
     soft.stop()
@@ -86,12 +90,33 @@ def main() -> None:
     summary["hardened_over_unsafe"] = {
         st: {"tok_s": h[st]["output_tok_s"] / u[st]["output_tok_s"], "ttft_p99": h[st]["ttft_p99"] / u[st]["ttft_p99"],
              "itl_p99": h[st]["itl_p99"] / u[st]["itl_p99"]} for st in h}
+
+
+def micro(summary: dict) -> None:
+    """Each protection's hot-path cost, and KV transfer bandwidth beside raw, per transport."""
     for script in ("bench/protections.py", "bench/transfer.py"):
         subprocess.run([sys.executable, script], env=ENV, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
     summary["protection_micro_costs"] = json.loads((OUT / "protections.json").read_text())
     summary["transfer"] = json.loads((OUT / "transfer.json").read_text())
-    (OUT / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    a = ap.parse_args()
+    parts = a.parts.split(",")
+    summary: dict = {}
+    if "serving" in parts:
+        serving(summary)
+    if "protections" in parts:
+        protections(summary, a.reps)
+    if "micro" in parts:
+        micro(summary)
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = "summary.json" if set(parts) == set(PARTS) else f"summary-{'-'.join(parts)}.json"
+    (OUT / name).write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if "over" in k}, indent=2))
 
 

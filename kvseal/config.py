@@ -72,7 +72,7 @@ class Protections:
     coverage: bool = True  # commit must cover every leased page
     checksum: bool = True  # xxh3-128 over page bytes + metadata
     deferred_release: bool = True  # prefill frees only after decode acks; abort-ack retention
-    disconnect_guard: bool = True  # a client disconnect never aborts mid-transfer
+    disconnect_guard: bool = True  # a client disconnect never cuts reserve or transfer in half
 
     NAMES = ("page_tags", "admission", "coverage", "checksum", "deferred_release", "disconnect_guard")
 

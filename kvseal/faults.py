@@ -1,14 +1,24 @@
 """Named fault points, seeded so a failing run replays exactly. Off unless ``KVSEAL_FAULTS`` names them.
 
-``KVSEAL_FAULTS="name[=probability],…"`` (probability defaults to 1), ``KVSEAL_FAULT_SEED=N``. When off, a
-fault point costs one dict lookup. Points:
+``KVSEAL_FAULTS="name[=probability],…"`` (probability defaults to 1), ``KVSEAL_FAULT_SEED=N``,
+``KVSEAL_FAULT_DELAY=seconds`` (for the ``delay_*`` points, default 2). When off, a fault point costs one
+dict lookup. Points, by where they fire and in protocol order:
 
-- ``legacy_placeholder`` (prefill): the 2026 bug. An over-long prompt is swapped for a 1-token placeholder,
-  one page is written, and the transfer is committed as complete.
-- ``corrupt_page_write`` (prefill): flip bytes in the pages after writing them to decode.
-- ``skip_page_write`` (prefill): commit without writing the pages at all.
-- ``drop_commit`` / ``duplicate_commit`` (prefill): lose the commit, or send it twice.
-- ``crash_after_write`` (prefill): die (os._exit) between the page writes and the commit.
+prefill
+- ``legacy_placeholder``: the 2026 bug. An over-long prompt is swapped for a 1-token placeholder, one page
+  is written, and the transfer is committed as complete.
+- ``crash_before_write``: die (os._exit) after the prefill forward, before any page is written.
+- ``delay_page_write``: sleep before writing the pages (a slow link; the client may leave meanwhile).
+- ``skip_page_write`` / ``corrupt_page_write``: commit without writing the pages, or flip bytes after.
+- ``crash_after_write``: die between the page writes and the commit.
+- ``reorder_commit``: send the commit first, write the pages a delay after decode answered it.
+- ``corrupt_commit``: the commit message arrives with a wrong ``first_token``.
+- ``delay_commit`` / ``drop_commit`` / ``duplicate_commit``: the commit is late, lost, or sent twice.
+- ``crash_after_commit``: die after decode accepted the commit, before answering the router.
+
+decode
+- ``delay_reserve``: answer the reservation late (the client may leave meanwhile).
+- ``crash_at_reserve`` / ``crash_at_commit``: die on receiving a reservation or a commit.
 """
 
 from __future__ import annotations
@@ -16,12 +26,16 @@ from __future__ import annotations
 import os
 import random
 
-POINTS = ("legacy_placeholder", "corrupt_page_write", "skip_page_write", "drop_commit", "duplicate_commit",
-          "crash_after_write")
+PREFILL_POINTS = ("legacy_placeholder", "crash_before_write", "delay_page_write", "skip_page_write",
+                  "corrupt_page_write", "crash_after_write", "reorder_commit", "corrupt_commit", "delay_commit",
+                  "drop_commit", "duplicate_commit", "crash_after_commit")
+DECODE_POINTS = ("delay_reserve", "crash_at_reserve", "crash_at_commit")
+POINTS = PREFILL_POINTS + DECODE_POINTS
+CRASH_EXIT = 17  # the exit status of a worker killed by a crash_* point
 
 
 class Faults:
-    def __init__(self, spec: str = "", seed: int = 0) -> None:
+    def __init__(self, spec: str = "", seed: int = 0, delay: float = 2.0) -> None:
         self.probs: dict[str, float] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             name, _, p = item.partition("=")
@@ -29,11 +43,13 @@ class Faults:
                 raise ValueError(f"unknown fault point {name!r}; known: {', '.join(POINTS)}")
             self.probs[name] = float(p) if p else 1.0
         self.rng = random.Random(seed)
+        self.delay = delay
         self.fired: dict[str, int] = {}
 
     @classmethod
     def from_env(cls) -> Faults:
-        return cls(os.environ.get("KVSEAL_FAULTS", ""), int(os.environ.get("KVSEAL_FAULT_SEED", "0")))
+        return cls(os.environ.get("KVSEAL_FAULTS", ""), int(os.environ.get("KVSEAL_FAULT_SEED", "0")),
+                   float(os.environ.get("KVSEAL_FAULT_DELAY", "2")))
 
     def fire(self, name: str) -> bool:
         p = self.probs.get(name)
@@ -41,3 +57,8 @@ class Faults:
             return False
         self.fired[name] = self.fired.get(name, 0) + 1
         return True
+
+    def crash(self, name: str) -> None:
+        """Die on the spot, as ``kill -9`` would: no cleanup, no answer."""
+        if self.fire(name):
+            os._exit(CRASH_EXIT)

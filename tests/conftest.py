@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Self
 
 import httpx
 import pytest
@@ -87,3 +89,40 @@ def colocated():
     s = Server(["serve", "--colocated", "--kv-pool-tokens", "16384"])
     yield s
     s.stop()
+
+
+class Trio:
+    """A router over one prefill and one decode worker, each a real process; the workers load in parallel."""
+
+    def __init__(self, worker: list[str] = (), router: list[str] = (), env: dict | None = None,
+                 prefill: list[str] = (), decode: list[str] = ()) -> None:
+        with ThreadPoolExecutor(2) as ex:
+            started = [ex.submit(Server, [role, *worker, *extra], env)
+                       for role, extra in (("prefill", prefill), ("decode", decode))]
+        self.servers = [f.result() for f in started if f.exception() is None]
+        if len(self.servers) < 2:
+            self.stop()
+            raise next(f.exception() for f in started if f.exception() is not None)
+        self.pre, self.dec = self.servers
+        try:
+            self.router = Server(["router", "--prefill", self.pre.url, "--decode", self.dec.url, *router], env)
+        except BaseException:
+            self.stop()
+            raise
+        self.servers.insert(0, self.router)
+        self.url = self.router.url
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+def complete(url: str, prompt: str, n: int = 8, key: str = "none", **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, **kw})

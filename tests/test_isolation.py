@@ -9,44 +9,27 @@ could not be served, with A's canary in B's output or B's output differing from 
 
 import secrets
 
-import httpx
-import pytest
-from conftest import MODEL, Server, wait_pages_back
+from conftest import Server, Trio, complete, wait_pages_back
 
 WORKER = ["--context", "2048", "--allow-pool-below-context"]
-
-
-def start(unsafe: list[str]):
-    env = {"KVSEAL_FAULTS": "legacy_placeholder", "KVSEAL_FAULT_SEED": "1", "KVSEAL_UNSAFE": "1" if unsafe else "0"}
-    pre = Server(["prefill", "--kv-pool-tokens", "1024", *WORKER, *unsafe], env=env)
-    dec = Server(["decode", "--kv-pool-tokens", "2048", *WORKER, *unsafe], env=env)
-    router = Server(["router", "--prefill", pre.url, "--decode", dec.url,
-                     "--api-key", "key-a=tenant-a", "--api-key", "key-b=tenant-b", *unsafe], env=env)
-    return pre, dec, router
-
-
-def complete(router, key, prompt, n=24):
-    return httpx.post(router.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                      json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0})
+KEYS = ["--api-key", "key-a=tenant-a", "--api-key", "key-b=tenant-b"]
 
 
 def scenario(unsafe: list[str]) -> dict:
-    pre, dec, router = start(unsafe)
-    try:
+    env = {"KVSEAL_FAULTS": "legacy_placeholder", "KVSEAL_FAULT_SEED": "1", "KVSEAL_UNSAFE": "1" if unsafe else "0"}
+    with Trio([*WORKER, *unsafe], [*KEYS, *unsafe], env, prefill=["--kv-pool-tokens", "1024"],
+              decode=["--kv-pool-tokens", "2048"]) as t:
         canary = "ZQX" + secrets.token_hex(3).upper()
         a_text = (f"Secret note {canary}. The password is {canary}. " * 40)[:1500]
         for _ in range(2):
-            assert complete(router, "key-a", a_text + f" The password is").status_code == 200
-        b_ok = complete(router, "key-b", "The capital of France is")
-        b_long = complete(router, "key-b", B_LONG)  # ~1500 tokens > prefill pool
+            assert complete(t.url, a_text + " The password is", 24, key="key-a").status_code == 200
+        b_ok = complete(t.url, "The capital of France is", 24, key="key-b")
+        b_long = complete(t.url, B_LONG, 24, key="key-b")  # ~1500 tokens > prefill pool
         out = {"canary": canary, "b_ok": b_ok, "b_long": b_long}
         if not unsafe:
-            wait_pages_back(dec)
-            wait_pages_back(pre)
+            wait_pages_back(t.dec)
+            wait_pages_back(t.pre)
         return out
-    finally:
-        for s in (router, dec, pre):
-            s.stop()
 
 
 B_LONG = "Tell me about the weather. " * 250
@@ -56,7 +39,7 @@ def correct_b_long() -> str:
     """B's over-long prompt on a server big enough to serve it: what B should have received."""
     s = Server(["serve", "--colocated", "--context", "2048", "--kv-pool-tokens", "4096"])
     try:
-        return complete(s, "none", B_LONG).json()["choices"][0]["text"]
+        return complete(s.url, B_LONG, 24).json()["choices"][0]["text"]
     finally:
         s.stop()
 
@@ -88,47 +71,3 @@ def test_coverage_alone_catches_the_placeholder():
     r = scenario(["--unsafe-no-admission"])
     assert r["b_long"].status_code == 500
     assert r["b_long"].json()["error"]["code"] == "kv_integrity_error"
-
-
-@pytest.mark.parametrize("unsafe,expect", [([], 500), (["--unsafe-no-checksum"], 200)])
-def test_checksum_catches_a_corrupted_page_write(unsafe, expect):
-    env = {"KVSEAL_FAULTS": "corrupt_page_write", "KVSEAL_UNSAFE": "1" if unsafe else "0"}
-    pre = Server(["prefill", "--kv-pool-tokens", "8192", *unsafe], env=env)
-    dec = Server(["decode", "--kv-pool-tokens", "8192", *unsafe], env=env)
-    router = Server(["router", "--prefill", pre.url, "--decode", dec.url, *unsafe], env=env)
-    try:
-        r = httpx.post(router.url + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8})
-        assert r.status_code == expect, r.text
-        if expect == 500:
-            assert r.json()["error"]["code"] == "kv_integrity_error"
-            time_ok = wait_pages_back(pre)
-            assert time_ok
-    finally:
-        for s in (router, dec, pre):
-            s.stop()
-
-
-@pytest.mark.parametrize("fault,status", [
-    ("skip_page_write", 500),  # checksum: the bytes in decode's pool are not what prefill hashed
-    ("duplicate_commit", 200),  # the second commit changes nothing
-    ("drop_commit", 503),  # decode never hears: the lease is dropped, pages come back
-    ("crash_after_write", 503),  # prefill dies between writes and commit: fenced, pages come back
-])
-def test_protocol_faults_end_cleanly(fault, status):
-    env = {"KVSEAL_FAULTS": fault}
-    pre = Server(["prefill", "--kv-pool-tokens", "8192"], env=env)
-    dec = Server(["decode", "--kv-pool-tokens", "8192"])
-    router = Server(["router", "--prefill", pre.url, "--decode", dec.url, "--timeout", "10"])
-    try:
-        r = httpx.post(router.url + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
-        assert r.status_code == status, r.text
-        if status == 200:
-            assert "Paris" in r.json()["choices"][0]["text"]
-        wait_pages_back(dec, timeout=30)
-        if fault != "crash_after_write":
-            wait_pages_back(pre)
-    finally:
-        for s in (router, dec, pre):
-            s.stop()

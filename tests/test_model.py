@@ -93,3 +93,21 @@ def test_backpressure_waits_instead_of_failing(fp32_model, fp32_prompts):
         assert engine.pool.num_free == per_req
     finally:
         engine.stop()
+
+
+def test_load_cache_gives_the_same_model(tmp_path, monkeypatch):
+    """The first load parses the GGUF and writes the cache; the second reads it: same config, bit-identical
+    weights, same tokens from the tokenizer and its chat template."""
+    from kvseal.model.loader import load
+
+    monkeypatch.setenv("KVSEAL_CACHE", str(tmp_path))
+    parsed = off_main_thread(lambda: load(None, torch.bfloat16, progress=False))
+    assert [p.name for p in tmp_path.iterdir() if (p / "complete").exists()], "no complete cache written"
+    cached = off_main_thread(lambda: load(None, torch.bfloat16, progress=False))
+    assert cached.model.cfg == parsed.model.cfg
+    a, b = parsed.model.w, cached.model.w
+    assert torch.equal(a.embed, b.embed) and torch.equal(a.norm, b.norm)
+    for x, y in zip(a.layers, b.layers):
+        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in ("attn_norm", "wqkv", "wo", "w_gate_up", "w_down"))
+    text = "Bonjour! ünïcödé 日本 🙂 What is 2+2?"
+    assert chat_ids(parsed, text) == chat_ids(cached, text)

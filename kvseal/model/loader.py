@@ -3,14 +3,25 @@ directory (config.json + safetensors). The tokenizer and chat template come from
 
 GGUF stores Q and K projections row-permuted for llama.cpp's interleaved RoPE; ``_unpermute`` undoes it so
 the weights match the Hugging Face layout that ``model.llama`` expects.
+
+Parsing a GGUF file and building its tokenizer takes ~10 s on two cores, paid by every worker process.
+The first load of a file writes what it produced (fp32 weights as safetensors, the config, the tokenizer)
+to a cache directory keyed by the file's path, size and mtime; later loads read that instead.
+``KVSEAL_CACHE`` moves the cache, ``KVSEAL_CACHE=off`` disables it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import xxhash
 
 import torch
 from tqdm import tqdm
@@ -47,9 +58,14 @@ class LoadedModel:
 
 def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
     p = Path(path) if path else default_model_path()
-    if p.is_file() and p.suffix == ".gguf":
+    cached = cache_dir(p) if p.is_file() else None
+    if cached is not None and (cached / DONE).exists():
+        cfg, raw, tok = _read_cache(cached)
+    elif p.is_file() and p.suffix == ".gguf":
         cfg, raw = _read_gguf(p, progress)
         tok = load_tokenizer(p)
+        if cached is not None:
+            _write_cache(cached, cfg, raw, tok)
     elif p.is_dir() and (p / "config.json").exists():
         cfg, raw = _read_hf_dir(p, progress)
         tok = load_tokenizer(p)
@@ -63,9 +79,51 @@ def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True) -> 
 def load_tokenizer(p: Path) -> object:
     from transformers import AutoTokenizer
 
+    cached = cache_dir(p) if p.is_file() else None
+    if cached is not None and (cached / DONE).exists():
+        return AutoTokenizer.from_pretrained(str(cached))
     if p.is_file():
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     return AutoTokenizer.from_pretrained(str(p))
+
+
+# -- load cache -------------------------------------------------------------------------------------------
+DONE = "complete"  # written last: a directory without it is ignored (a writer died or is still writing)
+CACHE_VERSION = 1
+
+
+def cache_dir(p: Path) -> Path | None:
+    root = os.environ.get("KVSEAL_CACHE", str(Path.home() / ".cache" / "kvseal"))
+    if root == "off":
+        return None
+    st = p.stat()
+    key = xxhash.xxh3_64_hexdigest(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}".encode())
+    return Path(root) / f"{p.stem}-{key}"
+
+
+def _read_cache(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    c = json.loads((d / "config.json").read_text())
+    cfg = ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"])})
+    return cfg, load_file(str(d / "weights.safetensors")), AutoTokenizer.from_pretrained(str(d))
+
+
+def _write_cache(d: Path, cfg: ModelConfig, raw: dict[str, torch.Tensor], tok: object) -> None:
+    """Best effort, and atomic: a complete directory appears under its name in one rename, or not at all."""
+    from safetensors.torch import save_file
+
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=d.name + ".", dir=d.parent))
+        save_file({k: v.contiguous() for k, v in raw.items()}, str(tmp / "weights.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        tok.save_pretrained(str(tmp))
+        (tmp / DONE).touch()
+        tmp.rename(d)
+    except OSError:  # read-only home, full disk, or another process renamed first: load uncached next time
+        shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
 
 
 # -- GGUF -------------------------------------------------------------------------------------------------

@@ -4,14 +4,20 @@ Admission happens here, once, against min(context window, every pool on the path
 a request that can never fit gets 400 ``context_length_exceeded`` before anything is allocated. A streamed
 response sends its HTTP status only after the first token has arrived, which is after prefill, transfer and
 verification: an error up to that point is a plain JSON error with its own status, never a 200.
+
+A client that leaves while its first token is still coming is noticed (polled, as vLLM does) and its
+generation cancelled; what a cancel may stop is the backend's business (the router never cuts a transfer in
+half). After the first token, leaving ends the stream, which aborts the request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +36,29 @@ from kvseal.server.text import TextStream
 class ModelNotFound(BadRequest):
     status = 404
     code = "model_not_found"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response started: nobody is left to answer."""
+
+
+T = TypeVar("T")
+
+
+async def unless_gone(request: Request, aw: Awaitable[T], poll: float = 0.25) -> T:
+    """Await ``aw``; if the client disconnects first, cancel it and raise ``ClientGone``."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.wait({task})
+                raise ClientGone()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    return task.result()
 
 
 def error_response(e: EngineError) -> JSONResponse:
@@ -62,6 +91,11 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     async def _engine_error(_: Request, e: EngineError) -> JSONResponse:
         metrics.requests.labels(str(e.status)).inc()
         return error_response(e)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, e: ClientGone) -> Response:
+        metrics.requests.labels("499").inc()
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -116,7 +150,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         started = time.monotonic()
         stream = Reply(backend.generate(GenRequest(rid, tenant, prompt, params)), TextStream(tokenizer, req.stop),
                        metrics, started)
-        first = await stream.first()  # raises the request's error before any status is sent
+        first = await unless_gone(request, stream.first())  # raises the request's error before any status
         ident = ("chatcmpl-" if chat else "cmpl-") + f"{rid:x}"
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

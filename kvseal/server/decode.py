@@ -22,6 +22,7 @@ from kvseal.engine.engine import Engine
 from kvseal.engine.errors import ContextLengthError, EngineError, KVIntegrityError, Overloaded
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Event, Phase, Sequence
+from kvseal.faults import Faults
 from kvseal.kv.pool import PageRun, PageState
 from kvseal.server.backend import StepBatcher, drain, pool_health
 from kvseal.transfer import protocol as P
@@ -53,19 +54,22 @@ def ack_error(e: EngineError) -> Response:
 
 class DecodeService:
     def __init__(self, engine: Engine, eos_ids: tuple[int, ...], target: str, decode_id: str,
-                 faults: object = None) -> None:
+                 faults: Faults | None = None) -> None:
         self.engine = engine
         self.pool = engine.pool
         self.eos = frozenset(eos_ids)
         self.target = target
         self.decode_id = decode_id
         self.leases: dict[int, LeaseState] = {}
-        self.faults = faults
+        self.faults = faults or Faults()
         self.prot = engine.cfg.protections
         self.batcher = StepBatcher(engine)
 
     # -- reserve ----------------------------------------------------------------------------------------
     async def reserve(self, r: P.Reserve) -> P.Lease:
+        self.faults.crash("crash_at_reserve")
+        if self.faults.fire("delay_reserve"):
+            await asyncio.sleep(self.faults.delay)
         n = len(r.prompt) + r.max_new
         if self.prot.admission and n > self.engine.cfg.admit_limit:
             raise ContextLengthError(len(r.prompt), r.max_new, self.engine.cfg.context_window,
@@ -87,6 +91,7 @@ class DecodeService:
 
     # -- commit -----------------------------------------------------------------------------------------
     async def commit(self, c: P.Commit) -> P.Ack:
+        self.faults.crash("crash_at_commit")
         st = self.leases.get(c.rid)
         if st is None or st.nonce != c.nonce or st.aborted:
             why = "no lease" if st is None else ("wrong nonce" if st.nonce != c.nonce else "lease revoked")
@@ -109,7 +114,7 @@ class DecodeService:
         if self.prot.page_tags and not self.pool.run_ok(st.run, rid, PageState.RESERVED):
             return self._reject(st, KVIntegrityError(f"request {rid}: leased pages no longer reserved for it"))
         if self.prot.checksum:
-            got = P.checksum(self.pool.kv, c.pages, c.n_tokens, rid, c.nonce, c.pages, c.generations)
+            got = P.checksum(self.pool.kv, c.pages, c.n_tokens, rid, c.nonce, c.pages, c.generations, c.first_token)
             if got != c.checksum:
                 if self.engine.metrics:
                     self.engine.metrics.integrity_failures.inc()

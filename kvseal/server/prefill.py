@@ -10,7 +10,8 @@ release). A rejected commit is followed by ``WriterDone`` so decode may free its
 from __future__ import annotations
 
 import asyncio
-import os
+import time
+from collections.abc import Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -74,37 +75,48 @@ class PrefillService:
         lease: P.Lease = seq.lease
         n = len(seq.prompt)
         k = self.engine.pool.cfg.pages_for(n)
-        src = list(seq.run.pages[:k])
-        dst = lease.pages[:k]
+        src, dst = list(seq.run.pages[:k]), lease.pages[:k]
+        self.faults.crash("crash_before_write")
+        late = self.faults.fire("reorder_commit")
         try:
-            if not self.faults.fire("skip_page_write"):
-                self.writer.write(self.engine.pool.kv, src, lease.target, lease.layout, dst)
-            if self.faults.fire("corrupt_page_write"):
-                self.writer.corrupt(lease.target, lease.layout, self.engine.pool.kv.dtype, dst)
-            if self.faults.fire("crash_after_write"):
-                os._exit(17)
+            if not late:
+                self._write(src, lease, dst)
+            self.faults.crash("crash_after_write")
         except Exception as e:  # noqa: BLE001 - the transfer failed: nothing was committed
             self.engine.release(seq.rid)
             self.loop.call_soon_threadsafe(self._settle, seq.rid, EngineError(f"KV transfer failed: {e}"))
             return
         if not self.engine.cfg.protections.deferred_release:
             self.engine.release(seq.rid)  # unsafe: free before decode has even seen the commit
-        digest = P.checksum(self.engine.pool.kv, src, n, seq.rid, lease.nonce, dst, lease.generations[:k])
-        commit = P.Commit(rid=seq.rid, nonce=lease.nonce, n_tokens=n, first_token=seq.tokens[-1], pages=dst,
+        first = seq.tokens[-1]
+        digest = P.checksum(self.engine.pool.kv, src, n, seq.rid, lease.nonce, dst, lease.generations[:k], first)
+        if self.faults.fire("corrupt_commit"):
+            first = (first + 1) % self.engine.model.cfg.vocab_size  # the message changed after it was hashed
+        commit = P.Commit(rid=seq.rid, nonce=lease.nonce, n_tokens=n, first_token=first, pages=dst,
                           generations=lease.generations[:k], checksum=digest)
-        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._commit(seq.rid, commit)))
+        late_write = (lambda: self._write(src, lease, dst)) if late else None
+        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._commit(seq.rid, commit, late_write)))
 
-    async def _commit(self, rid: int, commit: P.Commit) -> None:
+    def _write(self, src: list[int], lease: P.Lease, dst: list[int]) -> None:
+        """One-sided write of this worker's pages ``src`` into the leased decode pages ``dst``."""
+        if self.faults.fire("delay_page_write"):
+            time.sleep(self.faults.delay)
+        if not self.faults.fire("skip_page_write"):
+            self.writer.write(self.engine.pool.kv, src, lease.target, lease.layout, dst)
+        if self.faults.fire("corrupt_page_write"):
+            self.writer.corrupt(lease.target, lease.layout, self.engine.pool.kv.dtype, dst)
+
+    async def _commit(self, rid: int, commit: P.Commit, late_write: Callable[[], None] | None) -> None:
         p, _ = self.pending.get(rid, (None, None))
         try:
-            if self.faults.fire("drop_commit"):
-                raise httpx.ConnectError("commit dropped (fault)")
-            r = await self.client.post(p.decode_url + "/kv/commit", content=P.encode(commit))
-            if self.faults.fire("duplicate_commit"):
-                r = await self.client.post(p.decode_url + "/kv/commit", content=P.encode(commit))
-            ack = P.decode(r.content, P.Ack)
+            ack = await self._send_commit(p.decode_url, commit)
+            if late_write:  # reorder_commit: the bytes land only well after decode has answered the commit
+                await asyncio.sleep(self.faults.delay)
+                await asyncio.to_thread(late_write)
         except Exception as e:  # noqa: BLE001 - decode unreachable: the router will fence and fail it
             ack = P.Ack(ok=False, status=503, code="decode_unreachable", message=f"commit not delivered: {e}")
+        if ack.ok:
+            self.faults.crash("crash_after_commit")
         # Deferred release: decode has answered (or is gone), so these pages may go. Pool tags change on the
         # engine thread only, and that call queues behind the engine's current step: the answer goes out first,
         # so a first token never waits for the next prefill batch.
@@ -113,6 +125,16 @@ class PrefillService:
             await self._writer_done(p, commit.nonce)
         self._settle(rid, ack)
         await asyncio.wrap_future(released)
+
+    async def _send_commit(self, url: str, commit: P.Commit) -> P.Ack:
+        if self.faults.fire("delay_commit"):
+            await asyncio.sleep(self.faults.delay)
+        if self.faults.fire("drop_commit"):
+            raise httpx.ConnectError("commit dropped (fault)")
+        r = await self.client.post(url + "/kv/commit", content=P.encode(commit))
+        if self.faults.fire("duplicate_commit"):
+            r = await self.client.post(url + "/kv/commit", content=P.encode(commit))
+        return P.decode(r.content, P.Ack)
 
     async def _writer_done(self, p: P.Prefill, nonce: int) -> None:
         try:

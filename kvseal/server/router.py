@@ -6,8 +6,8 @@ after decode verified the commit → the rest streams from decode. Admission aga
 pool, decode pool) happened in the API layer before any of this.
 
 Status follows truth: an error from any worker is returned with that worker's original status and code.
-A client that leaves mid-transfer does not abort the transfer: the router lets prefill finish (or fail),
-then aborts on decode, which frees the pages. A worker that stops answering fails its requests with 503
+A client that leaves mid-protocol never cuts a step in half: the reservation and the transfer each run to
+their end (or fail), then the router hands back what they left on decode (``_step``). A worker that stops answering fails its requests with 503
 and is skipped until healthy again; a dead prefill is fenced on every decode.
 """
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import msgspec
@@ -136,19 +137,17 @@ class DisaggBackend:
         d.inflight += 1
         committed = finished = False
         try:
-            lease = P.decode(await self._post(d, "/kv/reserve", P.Reserve(
-                rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
-                sampling=sampling, prefill_id=p.url)), P.Lease)
+            reserve = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
+                                sampling=sampling, prefill_id=p.url)
+            # a lease granted after the client left is handed back: nothing was written into it
+            lease = await self._step(self._reserve(d, reserve),
+                                     undo=lambda lease: self._abort(d, req.rid, lease.nonce, writer_done=True))
             msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
                             sampling=sampling, lease=lease, decode_url=d.url)
-            transfer = self._spawn(self._transfer(p, d, msg))
-            # shield: a client that leaves now must not abort the transfer mid-flight; once it has ended,
-            # stop the decode work it started
-            try:
-                ack = await (asyncio.shield(transfer) if self.prot.disconnect_guard else transfer)
-            except BaseException:
-                transfer.add_done_callback(lambda t: self._abort_after(t, d, req.rid))
-                raise
+            # a transfer that committed after the client left started decode for nobody: stop it
+            ack = await self._step(self._transfer(p, d, msg),
+                                   undo=lambda _ack: self._abort(d, req.rid, 0, writer_done=True),
+                                   unguarded=lambda: self._abort(d, req.rid, lease.nonce, writer_done=True))
             committed = True
             yield Event(req.rid, (ack.first_token,))
             async for ev in self._stream(d, req.rid):
@@ -160,11 +159,39 @@ class DisaggBackend:
                 # A task, not an await: this finally may run inside a cancelled scope.
                 self._spawn(self._abort(d, req.rid, 0, writer_done=True))
 
-    def _spawn(self, coro: object) -> asyncio.Task:
+    async def _step(self, coro: Coroutine, undo: Callable[[Any], Coroutine],
+                    unguarded: Callable[[], Coroutine] | None = None) -> Any:
+        """One protocol step that a client disconnect must not cut in half.
+
+        Guarded (default): the step runs to its end even if the client leaves; if it left, ``undo`` then
+        releases what the finished step holds on decode. Unguarded (unsafe, the 2026 load balancer): the
+        disconnect cancels the step where it stands and ``unguarded`` tells decode at once, as if the cancelled
+        call had stopped the writer — while the prefill worker may still be writing into the lease.
+        """
+        task = self._spawn(coro)
+        try:
+            return await (asyncio.shield(task) if self.prot.disconnect_guard else task)
+        except asyncio.CancelledError:
+            if not self.prot.disconnect_guard:
+                if unguarded:
+                    self._spawn(unguarded())
+            else:
+                task.add_done_callback(lambda t: self._undo_after(t, undo))
+            raise
+
+    def _undo_after(self, task: asyncio.Task, undo: Callable[[Any], Coroutine]) -> None:
+        """A step whose client left has ended: if it succeeded, undo it. (A failed step cleaned up itself.)"""
+        if not task.cancelled() and task.exception() is None:
+            self._spawn(undo(task.result()))
+
+    def _spawn(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def _reserve(self, d: Worker, r: P.Reserve) -> P.Lease:
+        return P.decode(await self._post(d, "/kv/reserve", r), P.Lease)
 
     async def _transfer(self, p: Worker, d: Worker, msg: P.Prefill) -> P.Ack:
         """Prefill's answer is final; on any failure, decode is told to drop the lease."""
@@ -174,12 +201,6 @@ class DisaggBackend:
             writer_done = p.healthy  # prefill answered: it wrote nothing more. Unreachable: fence decides.
             await self._abort(d, msg.rid, msg.lease.nonce, writer_done)
             raise
-
-    def _abort_after(self, transfer: asyncio.Task, d: Worker, rid: int) -> None:
-        """The client left during the transfer: if it committed, decode is running for nobody — stop it.
-        (A failed transfer has already dropped its lease in ``_transfer``.)"""
-        if not transfer.cancelled() and transfer.exception() is None:
-            self._spawn(self._abort(d, rid, 0, writer_done=True))
 
     async def _abort(self, d: Worker, rid: int, nonce: int, writer_done: bool) -> None:
         try:

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 
 from kvseal.engine.build import WorkerSpec, build_engine
+from kvseal.faults import Faults
 from kvseal.server.metrics import Metrics
 
 
@@ -21,9 +22,9 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         pool = _decode_pool(transport, host, port)
         engine, lm, sizing = build_engine(spec, role="decode", storage=pool.create, metrics=metrics)
         target = str(pool.path) if transport == "shm" else pool.target
-        app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}"))
+        app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}",
+                                       Faults.from_env()))
     else:
-        from kvseal.faults import Faults
         from kvseal.server.prefill import PrefillService, prefill_app
 
         engine, lm, sizing = build_engine(spec, role="prefill", metrics=metrics)

@@ -6,8 +6,9 @@
     prefill frees its own pages only after the ack (deferred release)
     router → decode   Abort;  prefill → decode  WriterDone (abort-ack: quarantined pages may be freed)
 
-The checksum (xxh3-128) covers the page bytes *and* the metadata (rid, nonce, pages, generations, token
-count), so a commit cannot be replayed onto other pages or another lease.
+The checksum (xxh3-128) covers the page bytes *and* the commit's metadata (rid, nonce, pages, generations,
+token count, first token), so a commit cannot be replayed onto other pages or another lease, and a control
+message corrupted on the way is caught like a corrupted page.
 """
 
 from __future__ import annotations
@@ -95,10 +96,10 @@ def page_bytes(kv: torch.Tensor, pages: list[int], n_tokens: int) -> torch.Tenso
 
 
 def checksum(kv: torch.Tensor, pages: list[int], n_tokens: int, rid: int, nonce: int, dest_pages: list[int],
-             generations: list[int]) -> str:
+             generations: list[int], first_token: int) -> str:
     h = xxhash.xxh3_128()
     h.update(page_bytes(kv, pages, n_tokens).numpy())
-    h.update(msgspec.msgpack.encode([rid, nonce, dest_pages, generations, n_tokens]))
+    h.update(msgspec.msgpack.encode([rid, nonce, dest_pages, generations, n_tokens, first_token]))
     return h.hexdigest()
 
 

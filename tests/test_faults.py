@@ -1,0 +1,106 @@
+"""Every fault point of the transfer protocol, end to end on real processes (router + prefill + decode).
+
+Each fault ends the request exactly once with the right status, and every surviving pool gets all its pages
+back. Where a protection stands against the fault, the same run with that protection off shows the damage.
+"""
+
+import time
+
+import httpx
+import pytest
+from conftest import MODEL, Trio, complete, wait_pages_back
+
+from kvseal.faults import CRASH_EXIT, DECODE_POINTS
+
+PROMPT = "The capital of France is"
+POOL = ["--kv-pool-tokens", "8192"]
+
+
+@pytest.mark.parametrize("fault,status", [
+    ("duplicate_commit", 200),  # the second commit changes nothing
+    ("delay_commit", 200),  # late is not wrong
+    ("drop_commit", 503),  # decode never hears: the lease is dropped, pages come back
+    ("crash_before_write", 503),  # prefill dies before writing: fenced, the lease is freed
+    ("crash_after_write", 503),  # prefill dies between writes and commit: fenced, the lease is freed
+    ("crash_after_commit", 503),  # decode runs a verified request nobody will read: stopped
+    ("crash_at_reserve", 503),  # decode dies before it leased anything
+    ("crash_at_commit", 503),  # decode dies holding the lease: prefill frees its own pages
+])
+def test_protocol_faults_end_cleanly(fault, status):
+    with Trio(POOL, ["--timeout", "10"], env={"KVSEAL_FAULTS": fault}) as t:
+        r = complete(t.url, PROMPT)
+        assert r.status_code == status, r.text
+        if status == 200:
+            assert "Paris" in r.json()["choices"][0]["text"]
+        crashed = t.dec if fault in DECODE_POINTS else t.pre
+        for s in (t.pre, t.dec):
+            if fault.startswith("crash") and s is crashed:
+                assert s.proc.wait(10) == CRASH_EXIT  # the fault did fire
+            else:
+                wait_pages_back(s, timeout=30)
+
+
+@pytest.mark.parametrize("fault", ["corrupt_page_write", "skip_page_write", "reorder_commit", "corrupt_commit"])
+@pytest.mark.parametrize("checksum", [True, False], ids=["checksum", "unsafe"])
+def test_checksum_catches_bad_bytes_and_bad_messages(fault, checksum, colocated):
+    """Pages corrupted, never written, written after the commit; a commit corrupted on the way."""
+    unsafe = [] if checksum else ["--unsafe-no-checksum"]
+    env = {"KVSEAL_FAULTS": fault, "KVSEAL_UNSAFE": "0" if checksum else "1", "KVSEAL_FAULT_DELAY": "1"}
+    with Trio([*POOL, *unsafe], unsafe, env=env) as t:
+        r = complete(t.url, PROMPT)
+        if checksum:
+            assert r.status_code == 500 and r.json()["error"]["code"] == "kv_integrity_error", r.text
+            wait_pages_back(t.pre)
+            wait_pages_back(t.dec)
+            return
+        assert r.status_code == 200, r.text  # the damage: bad KV accepted and served as a success
+        if fault != "corrupt_page_write":  # one flipped slot may not change greedy output; the rest must
+            reference = complete(colocated.url, PROMPT).json()["choices"][0]["text"]
+            assert r.json()["choices"][0]["text"] != reference
+
+
+def leave_early(url: str, after: float) -> None:
+    """A streaming client that hangs up ``after`` seconds in, before any token has come."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    timeout = httpx.Timeout(30, read=after)
+    with pytest.raises(httpx.ReadTimeout), httpx.stream("POST", url + "/v1/completions", json=body,
+                                                         timeout=timeout) as r:
+        for _ in r.iter_lines():
+            pass
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "unsafe"])
+def test_client_leaving_during_reserve_never_leaks_the_lease(guard):
+    """Decode grants the lease 3 s late; the client left at 1 s. Guarded, the lease is handed back;
+    unguarded, the reservation is cut off mid-call and its pages stay reserved for nobody."""
+    unsafe = [] if guard else ["--unsafe-no-disconnect-guard"]
+    env = {"KVSEAL_FAULTS": "delay_reserve", "KVSEAL_FAULT_DELAY": "3", "KVSEAL_UNSAFE": "0" if guard else "1"}
+    with Trio([*POOL, *unsafe], unsafe, env=env) as t:
+        leave_early(t.url, after=1.0)
+        if guard:
+            wait_pages_back(t.dec, timeout=20)
+        else:
+            time.sleep(6)
+            assert t.dec.health()["reserved"] > 0, "the cut-off reservation should have leaked its pages"
+        wait_pages_back(t.pre)
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "unsafe"])
+def test_client_leaving_mid_transfer_never_frees_pages_under_a_live_writer(guard):
+    """Prefill writes the pages 3 s late; the client left at 0.6 s. Guarded, decode holds the lease until
+    the write and commit have landed, then stops and frees it; unguarded (the 2026 load balancer), decode
+    is told the writer is gone and frees the pages while prefill is still about to write into them."""
+    unsafe = [] if guard else ["--unsafe-no-disconnect-guard"]
+    env = {"KVSEAL_FAULTS": "delay_page_write", "KVSEAL_FAULT_DELAY": "3", "KVSEAL_UNSAFE": "0" if guard else "1"}
+    with Trio([*POOL, *unsafe], unsafe, env=env) as t:
+        t0 = time.time()
+        leave_early(t.url, after=0.6)
+        time.sleep(max(0.0, 1.6 - (time.time() - t0)))
+        mid = t.dec.health()  # the write is still ~1.5 s away
+        if guard:
+            assert mid["reserved"] > 0, f"pages released while the writer is live: {mid}"
+            wait_pages_back(t.dec, timeout=20)  # then the committed request is stopped, nothing leaks
+        else:
+            assert mid["reserved"] == 0 and mid["free_pages"] == mid["total_pages"], \
+                f"the unguarded router should have freed the lease under the live writer: {mid}"
+        wait_pages_back(t.pre, timeout=20)
