@@ -7,12 +7,16 @@ now in this pool and the metadata matches (checksum). Only then do the pages bec
 join the decode batch. Anything else quarantines the pages and fails the request.
 
 An aborted lease keeps its pages QUARANTINED until the writer says it stopped (``WriterDone``) or is fenced.
+
+Tokens go back multiplexed: each router holds one stream (``/streams/{subscriber}``) and gets one line per
+engine step with every event of its requests, so the per-token cost of the extra hop is paid once per step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -24,8 +28,39 @@ from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.faults import Faults
 from kvseal.kv.pool import PageRun, PageState
-from kvseal.server.backend import StepBatcher, drain, pool_health
+from kvseal.server.backend import StepBatcher, pool_health
 from kvseal.transfer import protocol as P
+
+
+class Outbox:
+    """One router's events, in order; handed out a step's worth at a time (loop thread only)."""
+
+    def __init__(self, on_final: Callable[[Event], None]) -> None:
+        self.q: asyncio.Queue[Event] = asyncio.Queue()
+        self.on_final = on_final
+
+    def put_nowait(self, ev: Event) -> None:  # StepBatcher delivers here
+        if ev.finish_reason is not None:
+            self.on_final(ev)
+        self.q.put_nowait(ev)
+
+    async def lines(self, heartbeat: float) -> AsyncIterator[bytes]:
+        """NDJSON: one list of ``TokenEvent`` per wake-up; ``[]`` when idle, so the router can tell a hung
+        worker from a quiet one."""
+        while True:
+            try:
+                batch = [await asyncio.wait_for(self.q.get(), heartbeat)]
+            except TimeoutError:
+                yield b"[]\n"
+                continue
+            while not self.q.empty():
+                batch.append(self.q.get_nowait())
+            yield P.encode([_token_event(ev) for ev in batch]) + b"\n"
+
+
+def _token_event(ev: Event) -> P.TokenEvent:
+    err = ev.error.to_dict() | {"status": ev.error.status} if isinstance(ev.error, EngineError) else None
+    return P.TokenEvent(ev.rid, list(ev.token_ids), ev.finish_reason, err)
 
 
 @dataclass(eq=False)
@@ -33,7 +68,7 @@ class LeaseState:
     reserve: P.Reserve
     run: PageRun
     nonce: int
-    queue: asyncio.Queue
+    queue: Outbox
     sink: object
     committed: bool = False
     aborted: bool = False
@@ -64,6 +99,20 @@ class DecodeService:
         self.faults = faults or Faults()
         self.prot = engine.cfg.protections
         self.batcher = StepBatcher(engine)
+        self.outboxes: dict[str, Outbox] = {}
+        self.heartbeat = 1.0
+
+    def outbox(self, subscriber: str) -> Outbox:
+        box = self.outboxes.get(subscriber)
+        if box is None:
+            box = self.outboxes[subscriber] = Outbox(self._ended)
+        return box
+
+    def _ended(self, ev: Event) -> None:
+        """A request's last event: a verified, running lease is done. An aborted one stays until WriterDone."""
+        st = self.leases.get(ev.rid)
+        if st is not None and st.committed:
+            self.leases.pop(ev.rid, None)
 
     # -- reserve ----------------------------------------------------------------------------------------
     async def reserve(self, r: P.Reserve) -> P.Lease:
@@ -82,8 +131,8 @@ class DecodeService:
         run = await asyncio.wrap_future(self.engine.call(take))
         if run is None:
             raise Overloaded(f"decode KV pool full ({self.pool.num_free} pages free, {need} needed)")
-        q: asyncio.Queue = asyncio.Queue()
-        st = LeaseState(r, run, secrets.randbits(62), q, self.batcher.sink_for(q))
+        box = self.outbox(r.subscriber)
+        st = LeaseState(r, run, secrets.randbits(62), box, self.batcher.sink_for(box))
         self.leases[r.rid] = st
         return P.Lease(rid=r.rid, nonce=st.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
@@ -186,22 +235,6 @@ class DecodeService:
             return {"released": freed}
         return {"released": False}
 
-    async def stream(self, rid: int):
-        st = self.leases.get(rid)
-        if st is None:
-            raise EngineError(f"no request {rid} on this decode worker")
-
-        async def gen():
-            try:
-                async for ev in drain(st.queue, lambda: asyncio.ensure_future(self.abort(P.Abort(rid=rid)))):
-                    err = ev.error.to_dict() | {"status": ev.error.status} if isinstance(ev.error, EngineError) else None
-                    yield P.encode({"tokens": list(ev.token_ids), "finish": ev.finish_reason, "error": err}) + b"\n"
-            finally:
-                if st.committed or not st.aborted:
-                    self.leases.pop(rid, None)
-
-        return gen()
-
 
 def decode_app(svc: DecodeService) -> FastAPI:
     app = FastAPI()
@@ -232,9 +265,9 @@ def decode_app(svc: DecodeService) -> FastAPI:
     async def fence(request: Request) -> JSONResponse:
         return JSONResponse(await svc.fence(P.decode(await request.body(), P.Fence)))
 
-    @app.get("/stream/{rid}")
-    async def stream(rid: int) -> StreamingResponse:
-        return StreamingResponse(await svc.stream(rid), media_type="application/x-ndjson")
+    @app.get("/streams/{subscriber}")
+    async def streams(subscriber: str) -> StreamingResponse:
+        return StreamingResponse(svc.outbox(subscriber).lines(svc.heartbeat), media_type="application/x-ndjson")
 
     @app.get("/health")
     async def health(quick: bool = False) -> JSONResponse:

@@ -2,19 +2,21 @@
 
 Per request: pick the least-loaded healthy decode and prefill (free pages, then queue length) → decode
 reserves and returns a lease → prefill admits, computes, writes, commits → the first token comes back only
-after decode verified the commit → the rest streams from decode. Admission against min(context, prefill
-pool, decode pool) happened in the API layer before any of this.
+after decode verified the commit → the rest streams from decode, over one multiplexed stream per decode
+worker (``TokenMux``: one line per engine step). Admission against min(context, prefill pool, decode pool)
+happened in the API layer before any of this.
 
 Status follows truth: an error from any worker is returned with that worker's original status and code.
 A client that leaves mid-protocol never cuts a step in half: the reservation and the transfer each run to
-their end (or fail), then the router hands back what they left on decode (``_step``). A worker that stops answering fails its requests with 503
-and is skipped until healthy again; a dead prefill is fenced on every decode.
+their end (or fail), then the router hands back what they left on decode (``_step``). A worker that stops
+answering fails its requests with 503 and is skipped until healthy again; a dead prefill is fenced on every
+decode.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ from kvseal.config import Protections
 from kvseal.engine.errors import EngineError, Overloaded
 from kvseal.engine.sequence import Event
 from kvseal.server.backend import GenRequest
+from kvseal.server.mux import TokenMux
 from kvseal.transfer import protocol as P
 
 
@@ -37,6 +40,7 @@ class Worker:
     info: dict = field(default_factory=dict)
     inflight: int = 0
     misses: int = 0  # consecutive failed probes
+    mux: TokenMux | None = None  # decode workers: this router's token stream from it
 
     @property
     def score(self) -> tuple:
@@ -49,11 +53,19 @@ def remote_error(status: int, body: bytes) -> EngineError:
         a = msgspec.json.decode(body)
     except msgspec.DecodeError:
         a = {}
+    return worker_error(status, a if isinstance(a, dict) else {})
+
+
+def worker_error(status: int, a: dict) -> EngineError:
     e = EngineError(a.get("message") or f"worker answered HTTP {status}")
     e.status = status
     e.code = a.get("code") or e.code
     e.type = "invalid_request_error" if 400 <= status < 500 else "server_error"
     return e
+
+
+def _down(w: Worker) -> None:
+    w.healthy = False
 
 
 class DisaggBackend:
@@ -72,6 +84,9 @@ class DisaggBackend:
         self.pool_tokens = 0
         self._tasks: set[asyncio.Task] = set()
         self.probe_timeout = 5.0
+        self.subscriber = secrets.token_hex(8)  # names this router's token stream on every decode
+        for d in self.decodes:
+            d.mux = TokenMux(self.client, d.url, self.subscriber, timeout, on_dead=lambda d=d: _down(d))
 
     # -- health -----------------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -136,9 +151,10 @@ class DisaggBackend:
                     "ignore_eos": req.params.ignore_eos}
         d.inflight += 1
         committed = finished = False
+        events = d.mux.register(req.rid)  # before the lease exists: no event of this request goes unclaimed
         try:
             reserve = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
-                                sampling=sampling, prefill_id=p.url)
+                                sampling=sampling, prefill_id=p.url, subscriber=self.subscriber)
             # a lease granted after the client left is handed back: nothing was written into it
             lease = await self._step(self._reserve(d, reserve),
                                      undo=lambda lease: self._abort(d, req.rid, lease.nonce, writer_done=True))
@@ -150,11 +166,12 @@ class DisaggBackend:
                                    unguarded=lambda: self._abort(d, req.rid, lease.nonce, writer_done=True))
             committed = True
             yield Event(req.rid, (ack.first_token,))
-            async for ev in self._stream(d, req.rid):
+            async for ev in self._events(events, req.rid):
                 finished = ev.finish_reason is not None
                 yield ev
         finally:
             d.inflight -= 1
+            d.mux.unregister(req.rid)
             if committed and not finished:  # client left or stream broke: stop decode, free its pages.
                 # A task, not an await: this finally may run inside a cancelled scope.
                 self._spawn(self._abort(d, req.rid, 0, writer_done=True))
@@ -209,19 +226,14 @@ class DisaggBackend:
         except httpx.HTTPError:
             pass
 
-    async def _stream(self, d: Worker, rid: int) -> AsyncIterator[Event]:
-        try:
-            async with self.client.stream("GET", f"{d.url}/stream/{rid}",
-                                          timeout=httpx.Timeout(None, connect=2.0, read=self.timeout)) as r:
-                if r.status_code != 200:
-                    raise remote_error(r.status_code, await r.aread())
-                async for line in r.aiter_lines():
-                    m = json.loads(line)
-                    if m["error"]:
-                        raise remote_error(m["error"]["status"], json.dumps(m["error"]).encode())
-                    yield Event(rid, tuple(m["tokens"]), m["finish"])
-                    if m["finish"] is not None:
-                        return
-        except httpx.HTTPError as e:
-            d.healthy = False
-            raise Overloaded(f"decode worker {d.url} failed mid-stream: {type(e).__name__}") from None
+    @staticmethod
+    async def _events(q: asyncio.Queue, rid: int) -> AsyncIterator[Event]:
+        while True:
+            m = await q.get()
+            if isinstance(m, EngineError):  # the stream from decode died
+                raise m
+            if m.error:
+                raise worker_error(m.error["status"], m.error)
+            yield Event(rid, tuple(m.tokens), m.finish)
+            if m.finish is not None:
+                return

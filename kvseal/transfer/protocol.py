@@ -5,6 +5,7 @@
     prefill → decode  (page writes into the leased pages), then Commit → CommitAck
     prefill frees its own pages only after the ack (deferred release)
     router → decode   Abort;  prefill → decode  WriterDone (abort-ack: quarantined pages may be freed)
+    decode → router   one NDJSON line of ``StepEvents`` per engine step, on one stream per router
 
 The checksum (xxh3-128) covers the page bytes *and* the commit's metadata (rid, nonce, pages, generations,
 token count, first token), so a commit cannot be replayed onto other pages or another lease, and a control
@@ -17,7 +18,9 @@ import msgspec
 import torch
 import xxhash
 
-VERSION = 1
+from kvseal.engine.errors import EngineError
+
+VERSION = 2  # 2: Reserve names the router's stream; tokens flow multiplexed per step
 
 
 class Msg(msgspec.Struct, kw_only=True):
@@ -31,6 +34,16 @@ class Reserve(Msg):
     max_new: int
     sampling: dict
     prefill_id: str
+    subscriber: str = ""  # the router stream that carries this request's tokens
+
+
+class TokenEvent(msgspec.Struct, array_like=True):
+    """One request's tokens from one engine step; ``finish`` set on its last event."""
+
+    rid: int
+    tokens: list[int]
+    finish: str | None = None
+    error: dict | None = None  # {"message", "type", "code", "status"}
 
 
 class Lease(Msg):
@@ -103,8 +116,17 @@ def checksum(kv: torch.Tensor, pages: list[int], n_tokens: int, rid: int, nonce:
     return h.hexdigest()
 
 
+class ProtocolMismatch(EngineError):
+    status = 500
+    code = "protocol_version_mismatch"
+    type = "server_error"
+
+
 encode = msgspec.json.encode
 
 
 def decode(data: bytes, typ: type) -> object:
-    return msgspec.json.decode(data, type=typ)
+    msg = msgspec.json.decode(data, type=typ)
+    if isinstance(msg, Msg) and msg.v != VERSION:
+        raise ProtocolMismatch(f"protocol version {msg.v}, this worker speaks {VERSION}: upgrade the older side")
+    return msg
