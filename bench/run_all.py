@@ -38,8 +38,16 @@ class Serve:
         raise TimeoutError(self.url)
 
     def stop(self) -> None:
+        """Stop the whole process group and wait until it is gone, so the ports are free for the next."""
         os.killpg(self.p.pid, 15)
         self.p.wait(30)
+        for _ in range(300):
+            try:
+                os.killpg(self.p.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.killpg(self.p.pid, 9)
 
 
 def bench(url: str, streams: str, out: str, pid: int | None = None, hf: bool = False) -> dict:

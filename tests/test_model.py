@@ -111,3 +111,36 @@ def test_load_cache_gives_the_same_model(tmp_path, monkeypatch):
         assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in ("attn_norm", "wqkv", "wo", "w_gate_up", "w_down"))
     text = "Bonjour! ünïcödé 日本 🙂 What is 2+2?"
     assert chat_ids(parsed, text) == chat_ids(cached, text)
+
+
+def test_an_engine_waiting_for_pages_sleeps_instead_of_spinning(fp32_model):
+    """Its only request cannot have pages until others come back (a prefill worker awaiting decode's acks):
+    the engine thread must sleep on its inbox, not spin a core that the other engine on this host needs."""
+    import time
+
+    import psutil
+
+    from kvseal.engine.sampling import SamplingParams
+    from kvseal.engine.sequence import Sequence
+
+    engine = make_engine(fp32_model, pages=4)
+    try:
+        held = engine.call(lambda: engine.pool.allocate(999, 4)).result()
+        events = []
+        engine.submit(Sequence(7001, [5] * 10, SamplingParams(max_tokens=3, temperature=0), events.append)).result()
+        tid = engine._thread.native_id
+
+        def cpu() -> float:
+            return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid)
+
+        before = cpu()
+        time.sleep(1.0)
+        used = cpu() - before
+        assert used < 0.2, f"the engine thread burned {used:.2f} s of CPU in 1 s with nothing it could run"
+        engine.call(lambda: engine.pool.free(held)).result()  # pages come back: the request runs at once
+        deadline = time.time() + 30
+        while not (events and events[-1].finish_reason) and time.time() < deadline:
+            time.sleep(0.05)
+        assert events[-1].finish_reason == "length"
+    finally:
+        engine.stop()

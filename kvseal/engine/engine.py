@@ -93,7 +93,7 @@ class Engine:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         while not self._stop:
-            self._drain(block=not (self.waiting or self.running))
+            self._drain(block=not self._ready())
             if self._stop:
                 break
             try:
@@ -117,6 +117,8 @@ class Engine:
                 return
 
     def step(self) -> None:
+        if not self._ready():
+            return
         batch = self._schedule()
         if not batch:
             return
@@ -133,6 +135,13 @@ class Engine:
             tokens = sample(res.logits, [s.params for s in res.seqs], [s.generator for s in res.seqs])
             for s, tok in zip(res.seqs, tokens):
                 self._advance(s, tok)
+
+    def _ready(self) -> bool:
+        """Is there a forward to run? An engine whose only waiting request cannot have its pages yet sleeps
+        on its inbox (pages come back through it) instead of spinning a core, and never takes the cores."""
+        if self.running:
+            return True
+        return bool(self.waiting) and self.pool.can_allocate(self.pool.cfg.pages_for(self.waiting[0].budget_tokens))
 
     # -- scheduling -------------------------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
