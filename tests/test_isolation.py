@@ -9,6 +9,7 @@ could not be served, with A's canary in B's output or B's output differing from 
 
 import secrets
 
+import pytest
 from conftest import Server, Trio, complete, wait_pages_back
 
 WORKER = ["--context", "2048", "--allow-pool-below-context"]
@@ -35,7 +36,8 @@ def scenario(unsafe: list[str]) -> dict:
 B_LONG = "Tell me about the weather. " * 250
 
 
-def correct_b_long() -> str:
+@pytest.fixture(scope="module")
+def b_reference() -> str:
     """B's over-long prompt on a server big enough to serve it: what B should have received."""
     s = Server(["serve", "--colocated", "--context", "2048", "--kv-pool-tokens", "4096"])
     try:
@@ -59,11 +61,10 @@ def test_hardened_rejects_over_long_and_never_leaks():
     assert r["canary"] not in r["b_ok"].text
 
 
-def test_with_protections_off_the_incident_reproduces():
+def test_with_protections_off_the_incident_reproduces(b_reference):
     r = scenario(["--unsafe-no-all"])
     assert r["b_long"].status_code == 200, "the unprotected path should wrongly return 200"
-    ref = correct_b_long()
-    assert leaked(r, ref), f"expected a leak, got {r['b_long'].json()['choices'][0]['text']!r} == {ref!r}"
+    assert leaked(r, b_reference), f"expected a leak, got {r['b_long'].json()['choices'][0]['text']!r}"
 
 
 def test_coverage_alone_catches_the_placeholder():
@@ -71,3 +72,11 @@ def test_coverage_alone_catches_the_placeholder():
     r = scenario(["--unsafe-no-admission"])
     assert r["b_long"].status_code == 500
     assert r["b_long"].json()["error"]["code"] == "kv_integrity_error"
+
+
+def test_without_coverage_the_placeholder_is_served(b_reference):
+    """Admission and coverage off, checksum and page tags on: the placeholder's one page hashes correctly
+    (prefill hashed what it wrote), so only coverage stood between it and the leak."""
+    r = scenario(["--unsafe-no-admission", "--unsafe-no-coverage"])
+    assert r["b_long"].status_code == 200, r["b_long"].text
+    assert leaked(r, b_reference), f"expected a leak, got {r['b_long'].json()['choices'][0]['text']!r}"
