@@ -83,14 +83,18 @@ def serving(summary: dict) -> None:
     summary["colocated_over_hf"] = colo["ratio_vs_hf"]
 
 
-def protections(summary: dict, reps: int) -> None:
-    """Hardened vs every protection off, both disaggregated, repetitions interleaved so drift hits both."""
+def protections(summary: dict, reps: int, streams: str) -> None:
+    """Hardened vs every protection off, both disaggregated, repetitions interleaved so drift hits both.
+
+    Besides the ratio of means, each hardened run is divided by the unsafe run next to it (paired): the
+    median of those ratios is far less sensitive to this machine's slow drift than the means are.
+    """
     hard, soft = Serve(8120), Serve(8130, "--unsafe-no-all")
     runs: dict = {"hardened": [], "unsafe": []}
     for rep in range(reps):
         pair = (("hardened", hard), ("unsafe", soft))
         for name, srv in pair if rep % 2 == 0 else pair[::-1]:
-            runs[name].append(bench(srv.url, "8,32", f"prot_{name}_{rep}"))
+            runs[name].append(bench(srv.url, streams, f"prot_{name}_{rep}"))
     hard.stop()
     soft.stop()
     summary["protections"] = {k: _mean(v) for k, v in runs.items()}
@@ -98,6 +102,7 @@ def protections(summary: dict, reps: int) -> None:
     summary["hardened_over_unsafe"] = {
         st: {"tok_s": h[st]["output_tok_s"] / u[st]["output_tok_s"], "ttft_p99": h[st]["ttft_p99"] / u[st]["ttft_p99"],
              "itl_p99": h[st]["itl_p99"] / u[st]["itl_p99"]} for st in h}
+    summary["hardened_over_unsafe_paired"] = _paired(runs["hardened"], runs["unsafe"])
 
 
 def micro(summary: dict) -> None:
@@ -113,19 +118,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    ap.add_argument("--prot-streams", default="8,32", help="concurrency levels of the protections part")
     a = ap.parse_args()
     parts = a.parts.split(",")
     summary: dict = {}
     if "serving" in parts:
         serving(summary)
     if "protections" in parts:
-        protections(summary, a.reps)
+        protections(summary, a.reps, a.prot_streams)
     if "micro" in parts:
         micro(summary)
     OUT.mkdir(parents=True, exist_ok=True)
     name = "summary.json" if set(parts) == set(PARTS) else f"summary-{'-'.join(parts)}.json"
     (OUT / name).write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if "over" in k}, indent=2))
+
+
+def _paired(hard: list[dict], soft: list[dict]) -> dict:
+    out = {}
+    for i, lv in enumerate(hard[0]["levels"]):
+        for key in ("output_tok_s", "ttft_p99", "itl_p99"):
+            r = sorted(h["levels"][i][key] / u["levels"][i][key] for h, u in zip(hard, soft))
+            out.setdefault(str(lv["streams"]), {})[key] = {"median": r[len(r) // 2], "min": r[0], "max": r[-1]}
+    return out
 
 
 def _mean(results: list[dict]) -> dict:

@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
         w.add_argument("--host", default="127.0.0.1")
         w.add_argument("--port", type=int, required=True)
         w.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+        if role == "decode":
+            w.add_argument("--lease-ttl", type=float, default=120.0,
+                           help="seconds before a never-committed lease is revoked and freed (0: never)")
     r = sub.add_parser("router", help="OpenAI front door over remote workers")
     r.add_argument("--prefill", action="append", required=True, metavar="URL")
     r.add_argument("--decode", action="append", required=True, metavar="URL")
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd in ("prefill", "decode"):
         from kvseal.server.worker import serve_worker
 
-        serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport)
+        serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport, getattr(a, "lease_ttl", 0.0))
     elif a.cmd == "router":
         from kvseal.server.worker import serve_router
 

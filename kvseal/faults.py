@@ -19,6 +19,9 @@ prefill
 decode
 - ``delay_reserve``: answer the reservation late (the client may leave meanwhile).
 - ``crash_at_reserve`` / ``crash_at_commit``: die on receiving a reservation or a commit.
+
+router
+- ``crash_after_reserve``: die holding a fresh lease, before prefill has heard of the request.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ PREFILL_POINTS = ("legacy_placeholder", "crash_before_write", "delay_page_write"
                   "corrupt_page_write", "crash_after_write", "reorder_commit", "corrupt_commit", "delay_commit",
                   "drop_commit", "duplicate_commit", "crash_after_commit")
 DECODE_POINTS = ("delay_reserve", "crash_at_reserve", "crash_at_commit")
-POINTS = PREFILL_POINTS + DECODE_POINTS
+ROUTER_POINTS = ("crash_after_reserve",)
+POINTS = PREFILL_POINTS + DECODE_POINTS + ROUTER_POINTS
 CRASH_EXIT = 17  # the exit status of a worker killed by a crash_* point
 
 

@@ -104,3 +104,20 @@ def test_client_leaving_mid_transfer_never_frees_pages_under_a_live_writer(guard
             assert mid["reserved"] == 0 and mid["free_pages"] == mid["total_pages"], \
                 f"the unguarded router should have freed the lease under the live writer: {mid}"
         wait_pages_back(t.pre, timeout=20)
+
+
+@pytest.mark.parametrize("ttl", ["2", "0"], ids=["ttl", "no-ttl"])
+def test_a_router_dying_after_reserve_leaks_no_lease(ttl):
+    """The router dies holding a fresh lease, before prefill heard of the request: nobody will ever abort
+    it. Decode expires it after its TTL and frees it once prefill confirms it is not (and will never be)
+    writing into it; with no TTL its pages stay reserved for nobody."""
+    with Trio(POOL, env={"KVSEAL_FAULTS": "crash_after_reserve"}, decode=["--lease-ttl", ttl]) as t:
+        with pytest.raises(httpx.HTTPError):
+            complete(t.url, PROMPT)
+        assert t.router.proc.wait(10) == CRASH_EXIT
+        if ttl != "0":
+            wait_pages_back(t.dec, timeout=20)
+        else:
+            time.sleep(5)
+            assert t.dec.health()["reserved"] > 0, "without a TTL the orphaned lease should still hold its pages"
+        wait_pages_back(t.pre)

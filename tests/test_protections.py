@@ -1,6 +1,7 @@
 """Each protection against the fault that attacks it, with the protection on (caught) and off (damage seen)."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -118,3 +119,34 @@ def test_engine_admission_boundary(fp32_model, n, ok):
             assert engine.pool.num_free == 64  # rejected before any page was allocated
     finally:
         engine.stop()
+
+
+# -- an abort racing a commit: whichever reaches the engine thread second sees the other --------------------
+async def abort_during_commit() -> tuple[P.Ack, int]:
+    svc = decode_service(Protections())
+    try:
+        lease = await svc.reserve(reserve(3))
+        pages, gens = lease.pages[:2], lease.generations[:2]
+        digest = P.checksum(svc.pool.kv, pages, 20, 3, lease.nonce, pages, gens, 7)
+        commit = P.Commit(rid=3, nonce=lease.nonce, n_tokens=20, first_token=7, pages=pages, generations=gens,
+                          checksum=digest)
+        gate = threading.Event()
+        svc.engine.call(gate.wait)  # hold the engine thread: the commit's verification queues behind it
+        committing = asyncio.ensure_future(svc.commit(commit))
+        await asyncio.sleep(0.05)  # the commit passed its event-loop checks
+        aborting = asyncio.ensure_future(svc.abort(P.Abort(rid=3)))
+        await asyncio.sleep(0.05)  # the abort flagged the lease
+        gate.set()
+        ack = await committing
+        await aborting
+        await svc.writer_done(P.WriterDone(rid=3, nonce=lease.nonce))
+        await asyncio.wrap_future(svc.engine.call(svc.pool.check_integrity))
+        return ack, svc.pool.num_free
+    finally:
+        svc.engine.stop()
+
+
+def test_an_abort_that_overtakes_a_commit_wins():
+    ack, free = asyncio.run(abort_during_commit())
+    assert not ack.ok and ack.code == "lease_revoked", ack
+    assert free == 2

@@ -21,9 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 import torch
+import xxhash
 from tqdm import tqdm
 
 from kvseal.config import ModelConfig

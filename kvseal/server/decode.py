@@ -7,6 +7,8 @@ now in this pool and the metadata matches (checksum). Only then do the pages bec
 join the decode batch. Anything else quarantines the pages and fails the request.
 
 An aborted lease keeps its pages QUARANTINED until the writer says it stopped (``WriterDone``) or is fenced.
+A lease never committed within ``lease_ttl`` (its router died after reserving) is aborted the same way, and
+its prefill is asked to forget it: once prefill confirms it is not writing, the pages are freed.
 
 Tokens go back multiplexed: each router holds one stream (``/streams/{subscriber}``) and gets one line per
 engine step with every event of its requests, so the per-token cost of the extra hop is paid once per step.
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -73,7 +77,7 @@ class LeaseState:
     committed: bool = False
     aborted: bool = False
     checksum: str = ""
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    born: float = field(default_factory=time.monotonic)
 
 
 class LeaseRevoked(Overloaded):
@@ -89,7 +93,7 @@ def ack_error(e: EngineError) -> Response:
 
 class DecodeService:
     def __init__(self, engine: Engine, eos_ids: tuple[int, ...], target: str, decode_id: str,
-                 faults: Faults | None = None) -> None:
+                 faults: Faults | None = None, lease_ttl: float = 0.0) -> None:
         self.engine = engine
         self.pool = engine.pool
         self.eos = frozenset(eos_ids)
@@ -101,6 +105,9 @@ class DecodeService:
         self.batcher = StepBatcher(engine)
         self.outboxes: dict[str, Outbox] = {}
         self.heartbeat = 1.0
+        self.lease_ttl = lease_ttl  # 0: leases never expire
+        self._expiry: asyncio.Task | None = None
+        self.client = httpx.AsyncClient(timeout=5.0)
 
     def outbox(self, subscriber: str) -> Outbox:
         box = self.outboxes.get(subscriber)
@@ -131,6 +138,8 @@ class DecodeService:
         run = await asyncio.wrap_future(self.engine.call(take))
         if run is None:
             raise Overloaded(f"decode KV pool full ({self.pool.num_free} pages free, {need} needed)")
+        if self.lease_ttl and self._expiry is None:
+            self._expiry = asyncio.ensure_future(self._expire_loop())
         box = self.outbox(r.subscriber)
         st = LeaseState(r, run, secrets.randbits(62), box, self.batcher.sink_for(box))
         self.leases[r.rid] = st
@@ -160,6 +169,8 @@ class DecodeService:
     def _verify_and_admit(self, st: LeaseState, c: P.Commit) -> P.Ack:
         """Engine thread: tags and checksum against the bytes in this pool, then OWNED and running."""
         rid = c.rid
+        if st.aborted:  # aborted after the loop let this commit through: the abort owns the pages now
+            return P.Ack(ok=False, status=503, code=LeaseRevoked.code, message=f"request {rid}: lease aborted")
         if self.prot.page_tags and not self.pool.run_ok(st.run, rid, PageState.RESERVED):
             return self._reject(st, KVIntegrityError(f"request {rid}: leased pages no longer reserved for it"))
         if self.prot.checksum:
@@ -203,6 +214,9 @@ class DecodeService:
             st.aborted = True
 
             def q() -> None:
+                if st.committed:  # its commit was verified just before: stop it like any running request
+                    self.engine._abort(a.rid)
+                    return
                 if not self.prot.deferred_release:  # unsafe: straight back to the free list
                     self.pool.free(st.run)
                     return
@@ -224,6 +238,32 @@ class DecodeService:
                 await self.writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
                 n += 1
         return {"fenced": n}
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.lease_ttl / 4, 0.25))
+            try:
+                await self.expire_stale()
+            except Exception as e:  # noqa: BLE001 - one bad lease must not end expiry for all the others
+                print(f"kvseal decode: lease expiry failed: {e!r}", flush=True)
+
+    async def expire_stale(self) -> None:
+        """Leases older than the TTL and never committed: abort (pages QUARANTINED), then free them once the
+        prefill they name confirms it is not writing into them. An unreachable prefill is asked again later."""
+        now = time.monotonic()
+        for rid, st in list(self.leases.items()):
+            if st.committed or now - st.born < self.lease_ttl:
+                continue
+            if not st.aborted:
+                await self.abort(P.Abort(rid=rid, nonce=st.nonce))
+            try:
+                r = await self.client.post(st.reserve.prefill_id + "/kv/forget",
+                                           content=P.encode(P.Forget(rid=rid, nonce=st.nonce)))
+                writing = r.json()["writing"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+            if not writing and not st.committed:
+                await self.writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
 
     async def writer_done(self, w: P.WriterDone) -> dict:
         st = self.leases.get(w.rid)

@@ -27,6 +27,11 @@ from kvseal.server.decode import ack_error
 from kvseal.transfer import protocol as P
 
 
+class LeaseExpired(EngineError):
+    status = 503
+    code = "lease_expired"
+
+
 class PrefillService:
     def __init__(self, engine: Engine, writer: object, prefill_id: str, faults: Faults | None = None) -> None:
         self.engine = engine
@@ -36,9 +41,12 @@ class PrefillService:
         self.client = httpx.AsyncClient(timeout=30)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pending: dict[int, tuple[P.Prefill, asyncio.Future]] = {}
+        self.forgotten: set[int] = set()  # nonces of leases decode expired: never written, never committed
         engine.handoff = self.handoff
 
     async def prefill(self, p: P.Prefill) -> P.Ack:
+        if p.lease.nonce in self.forgotten:  # checked and registered in ``pending`` with no await between
+            raise LeaseExpired(f"request {p.rid}: its lease expired on decode before prefill began")
         self.loop = asyncio.get_running_loop()
         cfg = self.engine.cfg
         too_long = len(p.prompt) + p.max_new > cfg.admit_limit
@@ -55,6 +63,14 @@ class PrefillService:
             return await done
         finally:
             self.pending.pop(p.rid, None)
+
+    def forget(self, f: P.Forget) -> dict:
+        """Decode expired this lease. In flight: the commit will be refused and WriterDone follows. Not yet
+        here (or long done): refuse it for good, so decode may free the pages now."""
+        if f.rid in self.pending:
+            return {"writing": True}
+        self.forgotten.add(f.nonce)
+        return {"writing": False}
 
     def _sink(self, rid: int):
         def sink(ev: Event) -> None:
@@ -154,6 +170,10 @@ def prefill_app(svc: PrefillService) -> FastAPI:
     async def prefill(request: Request) -> Response:
         ack = await svc.prefill(P.decode(await request.body(), P.Prefill))
         return Response(P.encode(ack), status_code=200 if ack.ok else ack.status, media_type="application/json")
+
+    @app.post("/kv/forget")
+    async def forget(request: Request) -> JSONResponse:
+        return JSONResponse(svc.forget(P.decode(await request.body(), P.Forget)))
 
     @app.get("/health")
     async def health(quick: bool = False) -> JSONResponse:

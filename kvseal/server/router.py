@@ -27,6 +27,7 @@ import msgspec
 from kvseal.config import Protections
 from kvseal.engine.errors import EngineError, Overloaded
 from kvseal.engine.sequence import Event
+from kvseal.faults import Faults
 from kvseal.server.backend import GenRequest
 from kvseal.server.mux import TokenMux
 from kvseal.transfer import protocol as P
@@ -72,12 +73,13 @@ class DisaggBackend:
     FENCE_AFTER = 3
 
     def __init__(self, prefill: list[str], decode: list[str], model_name: str, timeout: float = 30.0,
-                 protections: Protections = Protections()) -> None:
+                 protections: Protections = Protections(), faults: Faults | None = None) -> None:
         self.prefills = [Worker(u.rstrip("/"), "prefill") for u in prefill]
         self.decodes = [Worker(u.rstrip("/"), "decode") for u in decode]
         self.model_name = model_name
         self.timeout = timeout
         self.prot = protections
+        self.faults = faults or Faults()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0),
                                         limits=httpx.Limits(max_connections=512))
         self.context_window = 0
@@ -158,6 +160,7 @@ class DisaggBackend:
             # a lease granted after the client left is handed back: nothing was written into it
             lease = await self._step(self._reserve(d, reserve),
                                      undo=lambda lease: self._abort(d, req.rid, lease.nonce, writer_done=True))
+            self.faults.crash("crash_after_reserve")
             msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
                             sampling=sampling, lease=lease, decode_url=d.url)
             # a transfer that committed after the client left started decode for nobody: stop it

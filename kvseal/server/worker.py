@@ -14,7 +14,7 @@ from kvseal.faults import Faults
 from kvseal.server.metrics import Metrics
 
 
-def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str) -> None:
+def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str, lease_ttl: float = 0.0) -> None:
     metrics = Metrics()
     if role == "decode":
         from kvseal.server.decode import DecodeService, decode_app
@@ -23,7 +23,7 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         engine, lm, sizing = build_engine(spec, role="decode", storage=pool.create, metrics=metrics)
         target = str(pool.path) if transport == "shm" else pool.target
         app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}",
-                                       Faults.from_env()))
+                                       Faults.from_env(), lease_ttl))
     else:
         from kvseal.server.prefill import PrefillService, prefill_app
 
@@ -69,7 +69,8 @@ def serve_router(a: argparse.Namespace) -> None:
     name = path.stem if path.is_file() else path.name
     from kvseal.cli import protections
 
-    backend = DisaggBackend(a.prefill, a.decode, name, timeout=a.timeout, protections=protections(a))
+    backend = DisaggBackend(a.prefill, a.decode, name, timeout=a.timeout, protections=protections(a),
+                            faults=Faults.from_env())
     metrics = Metrics()
     app = create_app(backend, load_tokenizer(path), metrics, Tenants.parse(a.api_key))
 

@@ -5,6 +5,7 @@
     prefill → decode  (page writes into the leased pages), then Commit → CommitAck
     prefill frees its own pages only after the ack (deferred release)
     router → decode   Abort;  prefill → decode  WriterDone (abort-ack: quarantined pages may be freed)
+    decode → prefill  Forget  → {writing}  a lease past its TTL (its router died): refused from now on
     decode → router   one NDJSON line of ``StepEvents`` per engine step, on one stream per router
 
 The checksum (xxh3-128) covers the page bytes *and* the commit's metadata (rid, nonce, pages, generations,
@@ -96,6 +97,13 @@ class Fence(Msg):
 
 
 class WriterDone(Msg):
+    rid: int
+    nonce: int
+
+
+class Forget(Msg):
+    """decode → prefill, for a lease that outlived its TTL: stop or never start writing into it."""
+
     rid: int
     nonce: int
 
