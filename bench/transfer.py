@@ -41,16 +41,16 @@ def page_bytes() -> int:
 def shm_rows() -> list[dict]:
     src = torch.randn(LAYOUT).to(torch.bfloat16)
     path = f"/dev/shm/kvseal-bench-{os.getpid()}"
-    dst = torch.from_file(path, shared=True, size=math.prod(LAYOUT), dtype=torch.bfloat16).view(LAYOUT)
+    torch.from_file(path, shared=True, size=math.prod(LAYOUT), dtype=torch.bfloat16)  # the file the writer maps
     w, rows = ShmWriter(), []
     try:
         for n in PAGES:
             pages = list(range(n))
             dst_pages = list(range(100, 100 + n)) if n <= 256 else pages
-            kv = best(lambda: w.write(src, pages, path, LAYOUT, dst_pages))
+            kv = best(lambda pages=pages, dst_pages=dst_pages: w.write(src, pages, path, LAYOUT, dst_pages))
             nbytes = n * page_bytes()
             a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-            raw = best(lambda: b.copy_(a))
+            raw = best(lambda a=a, b=b: b.copy_(a))
             rows.append(row("shm", n, nbytes, kv, raw))
     finally:
         os.unlink(path)
@@ -65,13 +65,13 @@ def mooncake_rows() -> list[dict]:
     session = f"127.0.0.1:{recv.get_rpc_port()}"
     w = MooncakeWriter("127.0.0.1")
     w._register(src)
-    rows = []
+    rows, target = [], f"{session}|{dst.data_ptr()}"
     for n in PAGES:
         pages = list(range(n))
         dst_pages = list(range(100, 100 + n)) if n <= 256 else pages
-        kv = best(lambda: w.write(src, pages, f"{session}|{dst.data_ptr()}", LAYOUT, dst_pages), reps=3)
+        kv = best(lambda pages=pages, dst_pages=dst_pages: w.write(src, pages, target, LAYOUT, dst_pages), reps=3)
         nbytes = n * page_bytes()
-        raw = best(lambda: w.engine.transfer_sync_write(session, src.data_ptr(), dst.data_ptr(), nbytes), reps=3)
+        raw = best(lambda n=nbytes: w.engine.transfer_sync_write(session, src.data_ptr(), dst.data_ptr(), n), reps=3)
         rows.append(row("mooncake", n, nbytes, kv, raw))
     return rows
 

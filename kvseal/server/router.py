@@ -73,12 +73,12 @@ class DisaggBackend:
     FENCE_AFTER = 3
 
     def __init__(self, prefill: list[str], decode: list[str], model_name: str, timeout: float = 30.0,
-                 protections: Protections = Protections(), faults: Faults | None = None) -> None:
+                 protections: Protections | None = None, faults: Faults | None = None) -> None:
         self.prefills = [Worker(u.rstrip("/"), "prefill") for u in prefill]
         self.decodes = [Worker(u.rstrip("/"), "decode") for u in decode]
         self.model_name = model_name
         self.timeout = timeout
-        self.prot = protections
+        self.prot = protections or Protections()
         self.faults = faults or Faults()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0),
                                         limits=httpx.Limits(max_connections=512))

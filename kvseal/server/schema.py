@@ -98,9 +98,9 @@ class CompletionRequest(Sampling):
             raise BadRequest("echo is not supported", param="echo")
         if self.logprobs:
             raise BadRequest("logprobs is not supported", param="logprobs")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise BadRequest("a batch of prompts is not supported; send one prompt", param="prompt")
+        batch = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str)
+        if batch and len(self.prompt) != 1:
+            raise BadRequest("a batch of prompts is not supported; send one prompt", param="prompt")
         if not self.prompt:
             raise BadRequest("prompt must not be empty", param="prompt")
 

@@ -58,9 +58,9 @@ def _writer(transport: str, host: str) -> object:
 
 
 def serve_router(a: argparse.Namespace) -> None:
-    from kvseal.model.loader import default_model_path, load_tokenizer
     from pathlib import Path
 
+    from kvseal.model.loader import default_model_path, load_tokenizer
     from kvseal.server.api import create_app
     from kvseal.server.router import DisaggBackend
     from kvseal.server.tenants import Tenants
