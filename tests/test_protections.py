@@ -150,3 +150,20 @@ def test_an_abort_that_overtakes_a_commit_wins():
     ack, free = asyncio.run(abort_during_commit())
     assert not ack.ok and ack.code == "lease_revoked", ack
     assert free == 2
+
+
+def test_a_request_whose_events_stop_fails_instead_of_hanging():
+    """The decode stream stays alive (heartbeats), but nothing comes for this request: 503, not a hang."""
+    from kvseal.server.router import DisaggBackend
+
+    async def run() -> None:
+        backend = DisaggBackend(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], "m", timeout=0.3)
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(P.TokenEvent(5, [11], None))
+        got = []
+        with pytest.raises(Overloaded, match="sent nothing for request 5"):
+            async for ev in backend._events(q, 5):
+                got.append(ev.token_ids)
+        assert got == [(11,)]
+
+    asyncio.run(asyncio.wait_for(run(), 5))  # without the bound this would hang: fail it instead

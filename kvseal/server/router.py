@@ -229,10 +229,15 @@ class DisaggBackend:
         except httpx.HTTPError:
             pass
 
-    @staticmethod
-    async def _events(q: asyncio.Queue, rid: int) -> AsyncIterator[Event]:
+    async def _events(self, q: asyncio.Queue, rid: int) -> AsyncIterator[Event]:
+        """This request's events from the decode stream. The stream's heartbeat proves the worker alive, not
+        that this request moves: one that hears nothing for ``timeout`` seconds fails (503), never hangs."""
         while True:
-            m = await q.get()
+            try:
+                async with asyncio.timeout(self.timeout):
+                    m = await q.get()
+            except TimeoutError:
+                raise Overloaded(f"decode sent nothing for request {rid} in {self.timeout:g} s") from None
             if isinstance(m, EngineError):  # the stream from decode died
                 raise m
             if m.error:
