@@ -113,6 +113,7 @@ def _write_cache(d: Path, cfg: ModelConfig, raw: dict[str, torch.Tensor], tok: o
     """Best effort, and atomic: a complete directory appears under its name in one rename, or not at all."""
     from safetensors.torch import save_file
 
+    tmp: Path | None = None
     try:
         d.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=d.name + ".", dir=d.parent))
@@ -122,7 +123,8 @@ def _write_cache(d: Path, cfg: ModelConfig, raw: dict[str, torch.Tensor], tok: o
         (tmp / DONE).touch()
         tmp.rename(d)
     except OSError:  # read-only home, full disk, or another process renamed first: load uncached next time
-        shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- GGUF -------------------------------------------------------------------------------------------------

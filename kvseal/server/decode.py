@@ -37,11 +37,18 @@ from kvseal.transfer import protocol as P
 
 
 class Outbox:
-    """One router's events, in order; handed out a step's worth at a time (loop thread only)."""
+    """One router's events, in order; handed out a step's worth at a time (loop thread only).
 
-    def __init__(self, on_final: Callable[[Event], None]) -> None:
+    When its router's stream closes, ``on_gone`` is told the moment it happened (``gone_at``); a stream that
+    opens again clears it.
+    """
+
+    def __init__(self, on_final: Callable[[Event], None], on_gone: Callable[[Outbox], None]) -> None:
         self.q: asyncio.Queue[Event] = asyncio.Queue()
         self.on_final = on_final
+        self.on_gone = on_gone
+        self.readers = 0
+        self.gone_at: float | None = None
 
     def put_nowait(self, ev: Event) -> None:  # StepBatcher delivers here
         if ev.finish_reason is not None:
@@ -51,15 +58,23 @@ class Outbox:
     async def lines(self, heartbeat: float) -> AsyncIterator[bytes]:
         """NDJSON: one list of ``TokenEvent`` per wake-up; ``[]`` when idle, so the router can tell a hung
         worker from a quiet one."""
-        while True:
-            try:
-                batch = [await asyncio.wait_for(self.q.get(), heartbeat)]
-            except TimeoutError:
-                yield b"[]\n"
-                continue
-            while not self.q.empty():
-                batch.append(self.q.get_nowait())
-            yield P.encode([_token_event(ev) for ev in batch]) + b"\n"
+        self.readers += 1
+        self.gone_at = None
+        try:
+            while True:
+                try:
+                    batch = [await asyncio.wait_for(self.q.get(), heartbeat)]
+                except TimeoutError:
+                    yield b"[]\n"
+                    continue
+                while not self.q.empty():
+                    batch.append(self.q.get_nowait())
+                yield P.encode([_token_event(ev) for ev in batch]) + b"\n"
+        finally:
+            self.readers -= 1
+            if self.readers == 0:
+                self.gone_at = time.monotonic()
+                self.on_gone(self)
 
 
 def _token_event(ev: Event) -> P.TokenEvent:
@@ -112,8 +127,25 @@ class DecodeService:
     def outbox(self, subscriber: str) -> Outbox:
         box = self.outboxes.get(subscriber)
         if box is None:
-            box = self.outboxes[subscriber] = Outbox(self._ended)
+            box = self.outboxes[subscriber] = Outbox(self._ended, self._router_gone)
         return box
+
+    def _router_gone(self, box: Outbox) -> None:
+        asyncio.ensure_future(self._orphaned(box, box.gone_at))
+
+    async def _orphaned(self, box: Outbox, gone_at: float) -> None:
+        """A router's stream closed. If it has not come back within a grace period, the router is dead: stop
+        the leases it held then (committed ones stop and free at once; the others keep their pages QUARANTINED
+        until WriterDone or the TTL), and drop the events nobody will read."""
+        await asyncio.sleep(self.heartbeat * 5)
+        if box.gone_at != gone_at:  # it reconnected (and perhaps left again: that departure has its own check)
+            return
+        sub = next((k for k, v in self.outboxes.items() if v is box), None)
+        for rid, st in list(self.leases.items()):
+            if st.queue is box and st.born < gone_at:
+                await self.abort(P.Abort(rid=rid, nonce=st.nonce))
+        if box.gone_at == gone_at and sub is not None and not any(st.queue is box for st in self.leases.values()):
+            del self.outboxes[sub]
 
     def _ended(self, ev: Event) -> None:
         """A request's last event: a verified, running lease is done. An aborted one stays until WriterDone."""
