@@ -48,7 +48,7 @@ def measure() -> dict:
     pages = list(pre.run.pages)
     digest = timed(lambda: P.checksum(pool.kv, pages, 128, 99, 1, pages, [0] * 8, 0))
     idx = torch.tensor(seqs[0].run.pages)
-    scrub = timed(lambda: pool.kv.index_fill_(3, idx, 0))
+    scrub = timed(lambda: pool.kv.index_fill_(0, idx, 0))
     return {"decode_step_b32_ms": step * 1e3, "tag_check_ms": tags * 1e3, "tag_share": tags / step,
             "prefill_128_ms": prefill * 1e3, "checksum_128_ms": digest * 1e3, "checksum_share": 2 * digest / prefill,
             "scrub_16_pages_ms": scrub * 1e3, "scrub_share_per_finish": scrub / step}

@@ -38,8 +38,8 @@ async def late_write_scenario(prot: Protections) -> dict:
             l2 = await svc.reserve(reserve(2))
         except Overloaded:
             l2 = None
-        svc.pool.kv[:, :, :, l1.pages] = 7.0  # prefill's late write for request 1 lands now
-        hit = l2 is not None and bool((svc.pool.kv[:, :, :, l2.pages] == 7.0).any())
+        svc.pool.kv[list(l1.pages)] = 7.0  # prefill's late write for request 1 lands now
+        hit = l2 is not None and bool((svc.pool.kv[list(l2.pages)] == 7.0).any())
         released = await svc.writer_done(P.WriterDone(rid=1, nonce=l1.nonce))
         late_commit_refused = True
         try:

@@ -1,9 +1,9 @@
 """The node's paged KV pool: one preallocated tensor, integer page ids, a tag on every page.
 
-Layout: ``kv[layer, 0|1, kv_head, page, offset, head_dim]``, identical on every node, so a transfer is a
-gather/scatter by page id. Heads are outermost so that gathering a batch's pages yields ``[KVH, B, L, D]``,
-the layout decode attention multiplies without a copy; ``slot = page * page_size + offset`` in the flat
-``[KVH, pages * page_size, D]`` view of one layer.
+Layout: ``kv[page, layer, 0|1, kv_head, offset, head_dim]``, identical on every node and page-major, so a
+page is one contiguous block and a transfer of consecutive pages is one contiguous copy (one Mooncake chunk,
+one memcpy). ``slot = page * page_size + offset``. Within a page, one layer's keys (or values) of one head
+are a contiguous ``[offset, head_dim]`` row, which the model gathers straight into attention's layout.
 
 Every page carries a tag ``(owner, generation, state)``. Freeing bumps the generation, so a page table entry
 ``(page, generation)`` taken at allocation goes stale the moment the page is freed. ``check_tables`` compares a
@@ -48,7 +48,7 @@ class PagePool:
     def __init__(self, cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, storage: torch.Tensor | None = None) -> None:
         self.cfg = cfg
-        shape = (num_layers, 2, kv_heads, cfg.num_pages, cfg.page_size, head_dim)
+        shape = (cfg.num_pages, num_layers, 2, kv_heads, cfg.page_size, head_dim)
         if storage is None:
             storage = torch.empty(shape, dtype=dtype)
         if tuple(storage.shape) != shape or storage.dtype != dtype:
@@ -95,7 +95,7 @@ class PagePool:
         self.generation[idx] += 1
         self.state[idx] = int(PageState.FREE)
         if self.cfg.scrub_on_free:
-            self.kv.index_fill_(3, idx, 0)
+            self.kv.index_fill_(0, idx, 0)
         self._free.extend(run.pages)
 
     # -- the read-side check --------------------------------------------------------------------------

@@ -2,8 +2,13 @@
 
 One forward serves prefill and decode alike: queries are a padded ``[B, T]`` batch, keys and values are
 gathered from the pool page by page through each request's page table ``read_pages [B, P]``, and
-``mask [B, 1, T, P * page_size]`` hides padding, unwritten slots and the future. New K/V are scattered into the pool *before* the
-gather, so a token attends to itself. This plain-PyTorch path is the reference; it is also the fast path.
+``mask [B, 1, T, P * page_size]`` hides padding, unwritten slots and the future. New K/V are scattered into
+the pool *before* the gather, so a token attends to itself. This plain-PyTorch path is the reference; it is
+also the fast path.
+
+The pool is page-major, ``kv[page, layer, 0|1, kv_head, offset, head_dim]`` (see ``kvseal.kv.pool``): one
+layer's keys for one head of one page are a contiguous row of ``page_size * head_dim``, so the gather is one
+``index_select`` of such rows straight into ``[B, KVH, P * page_size, D]``, the layout attention multiplies.
 
 Numerics mirror Hugging Face's Llama (RMSNorm in fp32, RoPE tables in fp32 cast to the activation dtype) so
 greedy tokens match transformers in the same dtype.
@@ -72,8 +77,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def gather_rows(kv: torch.Tensor, read_pages: torch.Tensor) -> torch.Tensor:
+    """[B, KVH, P] ids of layer 0's key rows for each page table entry, in ``kv`` viewed as rows of
+    ``[page_size, D]``; layer ``i``'s keys (``j=0``) or values (``j=1``) are ``(2 * i + j) * KVH`` further on."""
+    n_layers, kvh = kv.shape[1], kv.shape[3]
+    return read_pages[:, None, :] * (n_layers * 2 * kvh) + torch.arange(kvh)[None, :, None]
+
+
+def write_rows(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[N, KVH] ids of layer 0's key rows of flat pool ``slots`` in ``kv`` viewed as rows of ``[D]``; layer
+    ``i``'s keys or values are ``(2 * i + j) * KVH * page_size`` further on."""
+    n_layers, kvh, ps = kv.shape[1], kv.shape[3], kv.shape[4]
+    page, offset = slots // ps, slots % ps
+    return (page * (n_layers * 2 * kvh * ps) + offset)[:, None] + torch.arange(kvh)[None, :] * ps
+
+
+def gather_kv(kv: torch.Tensor, rows: torch.Tensor, layer: int, j: int) -> torch.Tensor:
+    """Keys (``j=0``) or values (``j=1``) of ``layer`` for the pages in ``rows`` (``gather_rows``):
+    ``[B, KVH, P * page_size, D]``."""
+    bsz, kvh, n_pages = rows.shape
+    ps, dim = kv.shape[4], kv.shape[5]
+    picked = kv.view(-1, ps, dim).index_select(0, (rows + (2 * layer + j) * kvh).reshape(-1))
+    return picked.view(bsz, kvh, n_pages * ps, dim)
+
+
+def scatter_kv(kv: torch.Tensor, rows: torch.Tensor, layer: int, j: int, new: torch.Tensor) -> None:
+    """Write ``new [N, KVH, D]`` to the slots behind ``rows`` (``write_rows``) as ``layer``'s keys or values."""
+    step = (2 * layer + j) * kv.shape[3] * kv.shape[4]
+    kv.view(-1, kv.shape[5]).index_copy_(0, (rows + step).reshape(-1), new.reshape(-1, kv.shape[5]))
+
+
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, T, H, D]; keys/vals [KVH, B, L, D] gathered from the pool by page; mask [B, 1, T, L] → [B, T, H*D].
+    """q [B, T, H, D]; keys/vals [B, KVH, L, D] gathered from the pool by page; mask [B, 1, T, L] → [B, T, H*D].
 
     Prefill (T > 1) uses PyTorch's SDPA (flash kernel on CPU: no L×L matrix in memory). Decode (T == 1) uses
     an explicit grouped-query product over the gathered pages, several times faster than SDPA with a mask on
@@ -81,20 +116,19 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mas
     """
     bsz, t, heads, dim = q.shape
     if t > 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(0, 1), vals.transpose(0, 1),
-                                             attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(bsz, t, heads * dim)
     return decode_attention(q, keys, vals, mask)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     bsz, _, heads, dim = q.shape
-    kv_heads, n_ctx = keys.shape[0], keys.shape[2]
-    qg = q.view(bsz, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [KVH, B, G, D]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * dim**-0.5  # [KVH, B, G, L]
-    scores = scores.masked_fill(~mask.view(1, bsz, 1, n_ctx), float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(q.dtype), vals)  # [KVH, B, G, D]
-    return out.transpose(0, 1).reshape(bsz, 1, heads * dim)
+    kv_heads, n_ctx = keys.shape[1], keys.shape[2]
+    qg = q.view(bsz, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * dim**-0.5  # [B, KVH, G, L]
+    scores = scores.masked_fill(~mask.view(bsz, 1, 1, n_ctx), float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(q.dtype), vals)  # [B, KVH, G, D]
+    return out.reshape(bsz, 1, heads * dim)
 
 
 class LlamaModel:
@@ -117,9 +151,9 @@ class LlamaModel:
         x = F.embedding(b.input_ids, self.w.embed)
         cos = self.cos[b.positions].unsqueeze(2)  # [B, T, 1, D]
         sin = self.sin[b.positions].unsqueeze(2)
-        pages = b.read_pages.reshape(-1)
+        reads = gather_rows(kv, b.read_pages)
+        writes = write_rows(kv, b.write_slots)
         all_real = b.write_index.numel() == bsz * t  # decode: no padding to skip
-        n_ctx = b.read_pages.shape[1] * kv.shape[4]
         for i, layer in enumerate(self.w.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
             qkv = F.linear(h, layer.wqkv, layer.bqkv)
@@ -127,13 +161,9 @@ class LlamaModel:
             q, k = qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads:]
             v = qkv[..., self.q_size + self.kv_size:]
             for j, new in ((0, k), (1, v)):
-                flat = kv[i, j].view(kvh, -1, dim)  # [KVH, pages * page_size, D]
                 new = new.reshape(bsz * t, kvh, dim)
-                if not all_real:
-                    new = new.index_select(0, b.write_index)
-                flat.index_copy_(1, b.write_slots, new.transpose(0, 1))
-            keys = kv[i, 0].index_select(1, pages).view(kvh, bsz, n_ctx, dim)
-            vals = kv[i, 1].index_select(1, pages).view(kvh, bsz, n_ctx, dim)
+                scatter_kv(kv, writes, i, j, new if all_real else new.index_select(0, b.write_index))
+            keys, vals = gather_kv(kv, reads, i, 0), gather_kv(kv, reads, i, 1)
             x = x + F.linear(paged_attention(q, keys, vals, b.mask), layer.wo)
             h = rms_norm(x, layer.mlp_norm, cfg.rms_eps)
             gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)

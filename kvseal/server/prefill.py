@@ -117,6 +117,9 @@ class PrefillService:
         """One-sided write of this worker's pages ``src`` into the leased decode pages ``dst``."""
         if self.faults.fire("delay_page_write"):
             time.sleep(self.faults.delay)
+        mine = list(self.engine.pool.kv.shape)
+        if lease.layout[1:] != mine[1:]:  # page count may differ; a page's shape may not
+            raise ValueError(f"decode pool layout {lease.layout} does not match this worker's {mine}")
         if not self.faults.fire("skip_page_write"):
             self.writer.write(self.engine.pool.kv, src, lease.target, lease.layout, dst)
         if self.faults.fire("corrupt_page_write"):

@@ -21,7 +21,7 @@ import xxhash
 
 from kvseal.engine.errors import EngineError
 
-VERSION = 2  # 2: Reserve names the router's stream; tokens flow multiplexed per step
+VERSION = 3  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout
 
 
 class Msg(msgspec.Struct, kw_only=True):
@@ -108,18 +108,21 @@ class Forget(Msg):
     nonce: int
 
 
-def page_bytes(kv: torch.Tensor, pages: list[int], n_tokens: int) -> torch.Tensor:
-    """The bytes of the first ``n_tokens`` slots of ``pages``, in a fixed order on every node."""
-    ps = kv.shape[4]
-    blk = kv[:, :, :, torch.tensor(pages, dtype=torch.int64)]  # [L, 2, KVH, n, ps, D]
-    flat = blk.reshape(*blk.shape[:3], len(pages) * ps, blk.shape[-1])[:, :, :, :n_tokens]
-    return flat.contiguous().view(torch.uint8).reshape(-1)
+def page_bytes(kv: torch.Tensor, pages: list[int], n_tokens: int) -> list[torch.Tensor]:
+    """The bytes of the first ``n_tokens`` slots of ``pages``, in a fixed order on every node: the full
+    pages whole, then the written slots of the last one (its unwritten tail differs between nodes)."""
+    full, rem = divmod(n_tokens, kv.shape[4])
+    parts = [kv[torch.tensor(pages[:full], dtype=torch.int64)]] if full else []
+    if rem:
+        parts.append(kv[pages[full], :, :, :, :rem].contiguous())
+    return [p.view(torch.uint8).reshape(-1) for p in parts]
 
 
 def checksum(kv: torch.Tensor, pages: list[int], n_tokens: int, rid: int, nonce: int, dest_pages: list[int],
              generations: list[int], first_token: int) -> str:
     h = xxhash.xxh3_128()
-    h.update(page_bytes(kv, pages, n_tokens).numpy())
+    for part in page_bytes(kv, pages, n_tokens):
+        h.update(part.numpy())
     h.update(msgspec.msgpack.encode([rid, nonce, dest_pages, generations, n_tokens, first_token]))
     return h.hexdigest()
 

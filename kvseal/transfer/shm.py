@@ -1,8 +1,7 @@
 """The ``shm`` transport: the decode pool lives in a shared-memory file; prefill maps it and copies pages in.
 
-A page write copies runs of pages consecutive on both sides as strided slices of the whole
-``[L, 2, KVH, page, slot, D]`` tensor. The
-file name derives from the decode worker's port and pid, so two decode workers never share a pool.
+The pool is page-major (``[page, L, 2, KVH, slot, D]``), so a run of pages consecutive on both sides is
+one contiguous copy. The file name derives from the decode worker's port and pid, so two decode workers never share a pool.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from kvseal.transfer.runs import chunks
 
 
 def pool_shape(cfg: PoolConfig, m: ModelConfig) -> tuple[int, ...]:
-    return (m.num_layers, 2, m.num_kv_heads, cfg.num_pages, cfg.page_size, m.head_dim)
+    return (cfg.num_pages, m.num_layers, 2, m.num_kv_heads, cfg.page_size, m.head_dim)
 
 
 class ShmPool:
@@ -58,9 +57,9 @@ class ShmWriter:
     def write(self, src: torch.Tensor, src_pages: list[int], path: str, shape: list[int],
               dst_pages: list[int]) -> None:
         dst = self.target(path, shape, src.dtype)
-        for s, d, n in chunks(src_pages, dst_pages):  # slice copies: far faster than index_put
-            dst[:, :, :, d : d + n].copy_(src[:, :, :, s : s + n])
+        for s, d, n in chunks(src_pages, dst_pages):  # one contiguous copy per run
+            dst[d : d + n].copy_(src[s : s + n])
 
     def corrupt(self, path: str, shape: list[int], dtype: torch.dtype, dst_pages: list[int]) -> None:
         """Fault injection only: overwrite one slot of the first written page."""
-        self.target(path, shape, dtype)[0, 0, 0, dst_pages[0], 0].fill_(3.0)
+        self.target(path, shape, dtype)[dst_pages[0], 0, 0, 0, 0].fill_(3.0)
