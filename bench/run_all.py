@@ -1,9 +1,10 @@
 """All serving benchmarks in one run, on one machine: writes bench/out/summary.json (+ per-run JSON/PNG).
 
 1. colocated vs disaggregated (shm) at 1, 8, 32 streams × (128 prompt, 128 output), with HF ``generate``.
-2. hardened vs all protections off (disaggregated), interleaved repetitions at 8 and 32 streams.
-3. micro-costs of each protection on the hot path (bench/protections.py) and the transfer bandwidths.
-Takes ~15 minutes on 2 cores.
+2. disaggregated vs colocated, interleaved repetitions at 32 streams (the 0.9x figure).
+3. hardened vs all protections off (disaggregated), interleaved repetitions at 8 and 32 streams.
+4. micro-costs of each protection on the hot path (bench/protections.py) and the transfer bandwidths.
+Takes ~20 minutes on 2 cores (``--parts`` picks a subset).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def ratio(a: dict, b: dict, key: str) -> dict:
     return {str(x["streams"]): x[key] / y[key] for x, y in zip(a["levels"], b["levels"])}
 
 
-PARTS = ("serving", "protections", "micro")
+PARTS = ("serving", "disagg", "protections", "micro")
 
 
 def serving(summary: dict) -> None:
@@ -83,26 +84,47 @@ def serving(summary: dict) -> None:
     summary["colocated_over_hf"] = colo["ratio_vs_hf"]
 
 
-def protections(summary: dict, reps: int, streams: str) -> None:
-    """Hardened vs every protection off, both disaggregated, repetitions interleaved so drift hits both.
+def interleaved(a: tuple[str, list[str]], b: tuple[str, list[str]], reps: int, streams: str) -> dict:
+    """Two servers up at once, their benchmark runs interleaved (ABBA...) so this machine's drift hits both.
 
-    Besides the ratio of means, each hardened run is divided by the unsafe run next to it (paired): the
-    median of those ratios is far less sensitive to this machine's slow drift than the means are.
+    Besides the ratio of means (a over b), each run of ``a`` is divided by the run of ``b`` next to it
+    (paired): the median of those ratios is far less sensitive to slow drift than the means are.
     """
-    hard, soft = Serve(8120), Serve(8130, "--unsafe-no-all")
-    runs: dict = {"hardened": [], "unsafe": []}
-    for rep in range(reps):
-        pair = (("hardened", hard), ("unsafe", soft))
-        for name, srv in pair if rep % 2 == 0 else pair[::-1]:
-            runs[name].append(bench(srv.url, streams, f"prot_{name}_{rep}"))
-    hard.stop()
-    soft.stop()
-    summary["protections"] = {k: _mean(v) for k, v in runs.items()}
-    h, u = summary["protections"]["hardened"], summary["protections"]["unsafe"]
-    summary["hardened_over_unsafe"] = {
-        st: {"tok_s": h[st]["output_tok_s"] / u[st]["output_tok_s"], "ttft_p99": h[st]["ttft_p99"] / u[st]["ttft_p99"],
-             "itl_p99": h[st]["itl_p99"] / u[st]["itl_p99"]} for st in h}
-    summary["hardened_over_unsafe_paired"] = _paired(runs["hardened"], runs["unsafe"])
+    (na, args_a), (nb, args_b) = a, b
+    servers = {na: Serve(8120, *args_a), nb: Serve(8130, *args_b)}
+    runs: dict = {na: [], nb: []}
+    try:
+        for rep in range(reps):
+            order = (na, nb) if rep % 2 == 0 else (nb, na)
+            for name in order:
+                runs[name].append(bench(servers[name].url, streams, f"{na}_vs_{nb}_{name}_{rep}"))
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    means = {k: _mean(v) for k, v in runs.items()}
+    ma, mb = means[na], means[nb]
+    return {"means": means, "runs_tok_s": {k: [[lv["output_tok_s"] for lv in r["levels"]] for r in v]
+                                           for k, v in runs.items()},
+            "ratio_of_means": {st: {k: ma[st][k] / mb[st][k] for k in KEYS} for st in ma},
+            "paired": _paired(runs[na], runs[nb])}
+
+
+def protections(summary: dict, reps: int, streams: str) -> None:
+    """Hardened vs every protection off, both disaggregated."""
+    r = interleaved(("hardened", []), ("unsafe", ["--unsafe-no-all"]), reps, streams)
+    summary["protections"] = r["means"]
+    summary["hardened_over_unsafe"] = r["ratio_of_means"]
+    summary["hardened_over_unsafe_paired"] = r["paired"]
+    summary["protections_runs_tok_s"] = r["runs_tok_s"]
+
+
+def disagg(summary: dict, reps: int, streams: str) -> None:
+    """Disaggregated (router + prefill + decode, shm) vs colocated, the issue's 0.9x figure."""
+    r = interleaved(("disaggregated", []), ("colocated", ["--colocated"]), reps, streams)
+    summary["disagg_vs_colocated"] = r["means"]
+    summary["disagg_over_colocated"] = r["ratio_of_means"]
+    summary["disagg_over_colocated_paired"] = r["paired"]
+    summary["disagg_runs_tok_s"] = r["runs_tok_s"]
 
 
 def micro(summary: dict) -> None:
@@ -119,11 +141,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     ap.add_argument("--prot-streams", default="8,32", help="concurrency levels of the protections part")
+    ap.add_argument("--disagg-streams", default="32", help="concurrency levels of the disagg part")
     a = ap.parse_args()
     parts = a.parts.split(",")
     summary: dict = {}
     if "serving" in parts:
         serving(summary)
+    if "disagg" in parts:
+        disagg(summary, a.reps, a.disagg_streams)
     if "protections" in parts:
         protections(summary, a.reps, a.prot_streams)
     if "micro" in parts:
@@ -134,11 +159,14 @@ def main() -> None:
     print(json.dumps({k: v for k, v in summary.items() if "over" in k}, indent=2))
 
 
-def _paired(hard: list[dict], soft: list[dict]) -> dict:
+KEYS = ("output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+
+
+def _paired(a: list[dict], b: list[dict]) -> dict:
     out = {}
-    for i, lv in enumerate(hard[0]["levels"]):
-        for key in ("output_tok_s", "ttft_p99", "itl_p99"):
-            r = sorted(h["levels"][i][key] / u["levels"][i][key] for h, u in zip(hard, soft))
+    for i, lv in enumerate(a[0]["levels"]):
+        for key in KEYS:
+            r = sorted(x["levels"][i][key] / y["levels"][i][key] for x, y in zip(a, b))
             out.setdefault(str(lv["streams"]), {})[key] = {"median": r[len(r) // 2], "min": r[0], "max": r[-1]}
     return out
 
@@ -146,7 +174,7 @@ def _paired(hard: list[dict], soft: list[dict]) -> dict:
 def _mean(results: list[dict]) -> dict:
     out = {}
     for lv in zip(*[r["levels"] for r in results]):
-        out[str(lv[0]["streams"])] = {k: sum(x[k] for x in lv) / len(lv) for k in ("output_tok_s", "ttft_p99", "itl_p99")}
+        out[str(lv[0]["streams"])] = {k: sum(x[k] for x in lv) / len(lv) for k in KEYS}
     return out
 
 
