@@ -109,22 +109,22 @@ def interleaved(a: tuple[str, list[str]], b: tuple[str, list[str]], reps: int, s
             "paired": _paired(runs[na], runs[nb])}
 
 
+def record(summary: dict, a: str, b: str, r: dict) -> None:
+    summary[f"{a}_vs_{b}"] = r["means"]
+    summary[f"{a}_vs_{b}_runs_tok_s"] = r["runs_tok_s"]
+    summary[f"{a}_over_{b}"] = r["ratio_of_means"]
+    summary[f"{a}_over_{b}_paired"] = r["paired"]
+
+
 def protections(summary: dict, reps: int, streams: str) -> None:
     """Hardened vs every protection off, both disaggregated."""
-    r = interleaved(("hardened", []), ("unsafe", ["--unsafe-no-all"]), reps, streams)
-    summary["protections"] = r["means"]
-    summary["hardened_over_unsafe"] = r["ratio_of_means"]
-    summary["hardened_over_unsafe_paired"] = r["paired"]
-    summary["protections_runs_tok_s"] = r["runs_tok_s"]
+    record(summary, "hardened", "unsafe", interleaved(("hardened", []), ("unsafe", ["--unsafe-no-all"]), reps, streams))
 
 
 def disagg(summary: dict, reps: int, streams: str) -> None:
     """Disaggregated (router + prefill + decode, shm) vs colocated, the issue's 0.9x figure."""
     r = interleaved(("disaggregated", []), ("colocated", ["--colocated"]), reps, streams)
-    summary["disagg_vs_colocated"] = r["means"]
-    summary["disagg_over_colocated"] = r["ratio_of_means"]
-    summary["disagg_over_colocated_paired"] = r["paired"]
-    summary["disagg_runs_tok_s"] = r["runs_tok_s"]
+    record(summary, "disaggregated", "colocated", r)
 
 
 def micro(summary: dict) -> None:
