@@ -139,3 +139,13 @@ def test_a_router_dying_mid_stream_stops_its_decode_work():
         assert t.dec.health()["free_pages"] < t.dec.health()["total_pages"]
         wait_pages_back(t.dec, timeout=20)  # 6000 tokens take minutes here: only a stop frees them this soon
         wait_pages_back(t.pre)
+
+
+def test_workers_with_different_page_shapes_refuse_to_transfer():
+    """Prefill pages of 16 slots, decode pages of 8: the lease's layout is refused before any byte is
+    written, the request fails with an error (never 200 over misread KV) and both pools get every page back."""
+    with Trio(POOL, prefill=["--page-size", "16"], decode=["--page-size", "8"]) as t:
+        r = complete(t.url, PROMPT)
+        assert r.status_code >= 500 and "layout" in r.json()["error"]["message"], r.text
+        wait_pages_back(t.pre)
+        wait_pages_back(t.dec)
