@@ -44,11 +44,16 @@ class PageRun:
     generations: tuple[int, ...]
 
 
+def kv_shape(cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The one definition of the pool layout, for the pool and for every transport's storage."""
+    return (cfg.num_pages, num_layers, 2, kv_heads, cfg.page_size, head_dim)
+
+
 class PagePool:
     def __init__(self, cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, storage: torch.Tensor | None = None) -> None:
         self.cfg = cfg
-        shape = (cfg.num_pages, num_layers, 2, kv_heads, cfg.page_size, head_dim)
+        shape = kv_shape(cfg, num_layers, kv_heads, head_dim)
         if storage is None:
             storage = torch.empty(shape, dtype=dtype)
         if tuple(storage.shape) != shape or storage.dtype != dtype:

@@ -1,7 +1,8 @@
 """The ``shm`` transport: the decode pool lives in a shared-memory file; prefill maps it and copies pages in.
 
 The pool is page-major (``[page, L, 2, KVH, slot, D]``), so a run of pages consecutive on both sides is
-one contiguous copy. The file name derives from the decode worker's port and pid, so two decode workers never share a pool.
+one contiguous copy. The file name derives from the decode worker's port and pid, so two decode workers
+never share a pool.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from pathlib import Path
 import torch
 
 from kvseal.config import ModelConfig, PoolConfig
+from kvseal.kv.pool import kv_shape
 from kvseal.transfer.runs import chunks
 
 
 def pool_shape(cfg: PoolConfig, m: ModelConfig) -> tuple[int, ...]:
-    return (cfg.num_pages, m.num_layers, 2, m.num_kv_heads, cfg.page_size, m.head_dim)
+    return kv_shape(cfg, m.num_layers, m.num_kv_heads, m.head_dim)
 
 
 class ShmPool:
