@@ -40,11 +40,11 @@ def measure() -> dict:
         s.run = pool.allocate(s.rid, 16)
         s.num_cached = 191
         seqs.append(s)
-    step = timed(lambda: lm.model.forward(pool.kv, runner.build(seqs)), reps=5)
+    step = timed(lambda: lm.model.forward(pool.kv, runner.build([(s, 1) for s in seqs])), reps=5)
     tags = timed(lambda: runner.tag_check(seqs))
     pre = Sequence(99, list(range(100, 228)), SamplingParams(max_tokens=1, temperature=0), lambda ev: None)
     pre.run = pool.allocate(99, 8)
-    prefill = timed(lambda: lm.model.forward(pool.kv, runner.build([pre])), reps=3)
+    prefill = timed(lambda: lm.model.forward(pool.kv, runner.build([(pre, 128)])), reps=3)
     pages = list(pre.run.pages)
     digest = timed(lambda: P.checksum(pool.kv, pages, 128, 99, 1, pages, [0] * 8, 0))
     idx = torch.tensor(seqs[0].run.pages)

@@ -89,7 +89,7 @@ class EngineConfig:
     pool: PoolConfig
     dtype: str = "bf16"
     max_running: int = 64  # decode batch size cap
-    prefill_token_budget: int = 2048  # tokens per prefill step
+    step_token_budget: int = 512  # tokens per engine step: decodes first, then prefill chunks
     context_window: int = 8192  # served context (may be capped by preflight)
     threads: int = 0  # torch threads; 0 = all cores
     protections: Protections = field(default_factory=Protections)
@@ -97,8 +97,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
-        if self.max_running <= 0 or self.prefill_token_budget <= 0:
-            raise ValueError("max_running and prefill_token_budget must be positive")
+        if self.max_running <= 0 or self.step_token_budget <= 0:
+            raise ValueError("max_running and step_token_budget must be positive")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,11 +3,13 @@
 import torch
 import torch.nn.functional as F
 
-from kvseal.model.llama import (
+from kvseal.model.attention import (
+    DecodeRows,
+    PagedAttention,
+    Span,
     decode_attention,
     gather_kv,
     gather_rows,
-    paged_attention,
     scatter_kv,
     write_rows,
 )
@@ -65,40 +67,58 @@ def test_page_major_rows_address_the_pool_layout():
     assert torch.equal(pool[3, 1, 0, :, 1], new[0]) and torch.equal(pool[6, 1, 0, :, 3], new[1])
 
 
-def test_paged_prefill_and_decode_match_dense_reference():
+def packed_step(pool, tables, lens, feeds, gen):
+    """One packed step over ``scatter_to_pool``'s requests: request ``b`` feeds its last ``feeds[b]`` tokens
+    (1 = a decode row; the rest are chunks, ``feeds[b] == lens[b]`` a first chunk). Returns the attention
+    output per request, its queries and their positions."""
+    order = sorted(range(len(lens)), key=lambda b: feeds[b] != 1)
+    q = torch.randn(sum(feeds), H, D, generator=gen)
+    n_dec = sum(1 for f in feeds if f == 1)
+    dec = DecodeRows(torch.tensor([tables[b] + [0] * (max(len(tables[c]) for c in order[:n_dec]) - len(tables[b]))
+                                   for b in order[:n_dec]]), torch.tensor([lens[b] for b in order[:n_dec]])) \
+        if n_dec else None
+    spans, start = [], n_dec
+    for b in order[n_dec:]:
+        spans.append(Span(start, feeds[b], lens[b] - feeds[b], torch.tensor(tables[b])))
+        start += feeds[b]
+    # a first chunk's keys are this step's own: hand them in as the model would (they are also in the pool)
+    k = torch.zeros(sum(feeds), KVH, D)
+    v = torch.zeros(sum(feeds), KVH, D)
+    for sp, b in zip(spans, order[n_dec:]):
+        slots = torch.tensor([tables[b][p // PS] * PS + p % PS for p in range(sp.pos0, sp.pos0 + sp.n)])
+        rows = write_rows(pool, slots) + 2 * KVH * PS
+        k[sp.start: sp.start + sp.n] = pool.view(-1, D)[rows.reshape(-1)].view(sp.n, KVH, D)
+        v[sp.start: sp.start + sp.n] = pool.view(-1, D)[(rows + KVH * PS).reshape(-1)].view(sp.n, KVH, D)
+    out = PagedAttention(pool, dec, spans)(1, q, k, v).view(-1, H, D)
+    starts = [0] * len(lens)
+    for i, b in enumerate(order[:n_dec]):
+        starts[b] = i
+    for sp, b in zip(spans, order[n_dec:]):
+        starts[b] = sp.start
+    return [(out[starts[b]: starts[b] + feeds[b]], q[starts[b]: starts[b] + feeds[b]],
+             torch.arange(lens[b] - feeds[b], lens[b])) for b in range(len(lens))]
+
+
+def test_packed_chunks_and_decode_rows_match_dense_reference():
+    """Decode rows, a first chunk and later chunks in one packed step, over fragmented pages, GQA."""
     gen = torch.Generator().manual_seed(0)
-    lens = [5, 13, 1, 9]
+    lens = [5, 13, 1, 9, 20, 3]
+    feeds = [1, 13, 1, 4, 7, 1]  # decode, first chunk, 1-token prompt, later chunk, later chunk, decode
     k_dense = [torch.randn(L, KVH, D, generator=gen) for L in lens]
     v_dense = [torch.randn(L, KVH, D, generator=gen) for L in lens]
-    pool, tables = scatter_to_pool(k_dense, v_dense, lens, 32, gen)
-    keys, vals, n_ctx = gather(pool, tables)
-    # prefill: every request queries all of its positions (padded to the longest)
-    T = max(lens)
-    q = torch.randn(len(lens), T, H, D, generator=gen)
-    pos = torch.arange(T)[None, :].expand(len(lens), T)
-    lens_t = torch.tensor(lens)
-    mask = (torch.arange(n_ctx)[None, None, :] <= pos[:, :, None]) & (torch.arange(n_ctx) < lens_t[:, None, None])
-    out = paged_attention(q, keys, vals, mask.unsqueeze(1)).view(len(lens), T, H, D)
-    ref = dense_reference(q, k_dense, v_dense, lens, pos)
-    for b, L in enumerate(lens):
-        torch.testing.assert_close(out[b, :L], ref[b][:L], atol=1e-5, rtol=1e-5)
-    # decode: one query at the last position of each request
-    qd = torch.randn(len(lens), 1, H, D, generator=gen)
-    last = (lens_t - 1)[:, None]
-    dmask = (torch.arange(n_ctx)[None, :] < lens_t[:, None]).view(len(lens), 1, 1, n_ctx)
-    outd = paged_attention(qd, keys, vals, dmask).view(len(lens), H, D)
-    refd = dense_reference(qd, k_dense, v_dense, lens, last)
-    for b in range(len(lens)):
-        torch.testing.assert_close(outd[b], refd[b][0], atol=1e-5, rtol=1e-5)
+    pool, tables = scatter_to_pool(k_dense, v_dense, lens, 40, gen)
+    for b, (out, q, pos) in enumerate(packed_step(pool, tables, lens, feeds, gen)):
+        ref = dense_reference([q], [k_dense[b]], [v_dense[b]], [lens[b]], [pos])[0]
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_fast_decode_attention_matches_sdpa():
+def test_decode_attention_matches_sdpa():
     gen = torch.Generator().manual_seed(1)
     B, L = 3, 24
-    q = torch.randn(B, 1, H, D, generator=gen)
+    q = torch.randn(B, H, D, generator=gen)
     keys = torch.randn(B, KVH, L, D, generator=gen)
     vals = torch.randn(B, KVH, L, D, generator=gen)
-    mask = (torch.arange(L)[None, :] < torch.tensor([24, 7, 16])[:, None]).view(B, 1, 1, L)
-    ref = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals,
-                                         attn_mask=mask, enable_gqa=True).transpose(1, 2).reshape(B, 1, H * D)
+    mask = torch.arange(L)[None, :] < torch.tensor([24, 7, 16])[:, None]
+    ref = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=mask[:, None, None],
+                                         enable_gqa=True).reshape(B, H * D)
     torch.testing.assert_close(decode_attention(q, keys, vals, mask), ref, atol=1e-5, rtol=1e-5)

@@ -13,7 +13,7 @@ from kvseal.engine.engine import Engine
 from kvseal.engine.errors import KVIntegrityError, Overloaded
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Sequence
-from kvseal.kv.pool import PagePool
+from kvseal.kv.pool import PagePool, PageRun
 from kvseal.server.decode import DecodeService, LeaseRevoked
 from kvseal.transfer import protocol as P
 
@@ -76,8 +76,12 @@ def stale_table_run(lm, prot: Protections) -> dict:
     victim = Sequence(901, prompt, SamplingParams(max_tokens=40, temperature=0), events.append)
 
     def steal() -> None:  # a scheduler bug: the victim's pages are freed and handed to someone else
-        engine.pool.free(victim.run)
-        engine.pool.allocate(902, len(victim.run.pages))
+        pool = engine.pool
+        pool.free(victim.run)
+        theirs = pool.allocate(902, pool.num_free)  # every free page, the victim's among them...
+        keep = [i for i, p in enumerate(theirs.pages) if p not in victim.run.pages]
+        pool.free(PageRun(tuple(theirs.pages[i] for i in keep), tuple(theirs.generations[i] for i in keep)))
+        # ...then the others go back, so the victim still has pages to grow into
 
     try:
         engine.submit(victim).result()

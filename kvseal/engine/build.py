@@ -30,7 +30,7 @@ class WorkerSpec:
     context: int | None = None
     allow_pool_below_context: bool = False
     max_running: int = 64
-    prefill_token_budget: int = 2048
+    step_token_budget: int = 512
     threads: int = 0
     share_cores: str | None = None  # lock file shared with another engine on this host (CoreLock)
     scrub_on_free: bool = False
@@ -67,7 +67,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     kv = storage(pool_cfg, m, dtype) if storage else None
     pool = PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv)
     cfg = EngineConfig(pool=pool_cfg, dtype=spec.dtype, max_running=spec.max_running,
-                       prefill_token_budget=spec.prefill_token_budget, context_window=sizing.served_context,
+                       step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, protections=spec.protections)
     engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics)
     if spec.share_cores:

@@ -1,13 +1,15 @@
 """The engine: one thread that owns the pool and the model, and steps ``schedule → run → postprocess``.
 
 Every mutation of the pool's tags happens on this thread (other threads send closures through ``call``), so
-tags never race with the check before a forward pass. Scheduling is continuous batching: waiting requests
-are admitted into a prefill batch under a token budget whenever their full reservation (prompt + max_tokens)
-fits the pool; otherwise every running request takes one decode step. A request that does not fit *now*
-waits (backpressure); one that can *never* fit was rejected at admission and never got here.
+tags never race with the check before a forward pass. Scheduling is continuous batching with chunked prefill:
+each step feeds every running decode one token and fills the rest of a token budget with prefill chunks, so a
+long prompt never stalls the streams already running. Pages are allocated as a request grows; when the pool
+runs dry the newest request is preempted (its pages freed, recomputed later). A request that does not fit
+*now* waits (backpressure); one that can *never* fit was rejected at admission and never got here.
 
 Roles: ``colocated`` prefills then decodes; ``prefill`` hands each prefilled request to ``handoff`` (the
-transfer) and frees its pages only on ``release``; ``decode`` receives requests whose KV arrived by transfer.
+transfer) and frees its pages only on ``release``; ``decode`` receives requests whose prompt KV arrived by
+transfer, grows their pages as they decode, and recomputes locally after a preemption.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self.quarantined: dict[int, PageRun] = {}  # rid → pages a writer may still target
+        self.preemptions = 0
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = False
         self.step_hook: Callable[[list[Sequence]], None] | None = None  # faults and tests only
@@ -123,7 +126,7 @@ class Engine:
         if not batch:
             return
         if self.step_hook:
-            self.step_hook(batch)
+            self.step_hook([s for s, _ in batch])
         with self.core_lock:  # a CoreLock when the host's cores are shared with another engine
             res = self.runner.step(batch)
         for s in res.failed:
@@ -131,17 +134,27 @@ class Engine:
                 self.metrics.integrity_failures.inc()
             self._finish(s, "error", KVIntegrityError(f"request {s.rid}: page table does not match page tags"),
                          quarantine=True)
-        if res.logits is not None:
-            tokens = sample(res.logits, [s.params for s in res.seqs], [s.generator for s in res.seqs])
-            for s, tok in zip(res.seqs, tokens):
-                self._advance(s, tok)
+        if res.logits is None:
+            return
+        done = []  # rows whose whole context is now cached: they sample their next token
+        for row, (s, n) in enumerate(zip(res.seqs, res.fed)):
+            s.num_cached += n
+            if s.num_cached == len(s.tokens):
+                done.append(row)
+        seqs = [res.seqs[r] for r in done]
+        tokens = sample(res.logits[done], [s.params for s in seqs], [s.generator for s in seqs])
+        for s, tok in zip(seqs, tokens):
+            self._advance(s, tok)
 
     def _ready(self) -> bool:
-        """Is there a forward to run? An engine whose only waiting request cannot have its pages yet sleeps
-        on its inbox (pages come back through it) instead of spinning a core, and never takes the cores."""
+        """Is there a forward to run? An engine whose only waiting request cannot have its first pages yet
+        sleeps on its inbox (pages come back through it) instead of spinning a core, and never takes the cores."""
         if self.running:
             return True
-        return bool(self.waiting) and self.pool.can_allocate(self.pool.cfg.pages_for(self.waiting[0].budget_tokens))
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        return self.pool.can_allocate(self._pages_to_feed(head, self._chunk(head, self.cfg.step_token_budget)))
 
     # -- scheduling -------------------------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
@@ -149,39 +162,90 @@ class Engine:
             raise ContextLengthError(len(seq.prompt), seq.params.max_tokens, self.cfg.context_window,
                                      self.pool.cfg.capacity_tokens)
         self.seqs[seq.rid] = seq
-        if seq.phase is Phase.RUNNING:  # decode role: KV already verified in the pool
+        if seq.phase is Phase.RUNNING:  # decode role: the prompt's KV already verified in the pool
             self.running.append(seq)
         else:
             self.waiting.append(seq)
 
-    def _schedule(self) -> list[Sequence]:
-        batch: list[Sequence] = []
-        budget = self.cfg.prefill_token_budget
-        while self.waiting and len(self.running) + len(batch) < self.cfg.max_running:
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """One step's ``(sequence, tokens to feed)`` under the step's token budget: every running decode
+        first (one token each), then running prefills' next chunks, then new requests' first chunks.
+
+        Pages come on demand, for the tokens fed this step. A running request that cannot have its next page
+        preempts the newest running request not yet in this step (recompute: its pages are freed, it goes
+        back to the head of the queue with its tokens); if none is left, it preempts itself. The oldest
+        request can therefore always grow, and admission guaranteed it fits the pool alone. A new request is
+        admitted only if its chunk fits with a page to spare for every running request.
+        """
+        budget = self.cfg.step_token_budget
+        batch: list[tuple[Sequence, int]] = []
+        decoding = [s for s in self.running if len(s.tokens) - s.num_cached == 1]
+        prefilling = [s for s in self.running if len(s.tokens) - s.num_cached > 1]
+        for s in decoding + prefilling:
+            n = self._chunk(s, budget)
+            if n == 0 or s.phase is not Phase.RUNNING:  # out of budget, or preempted for an earlier one
+                continue
+            if not self._grow(s, n, batch):
+                continue
+            batch.append((s, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             s = self.waiting[0]
-            need = self.pool.cfg.pages_for(s.budget_tokens)
-            if batch and budget < len(s.prompt):
-                break
-            if not self.pool.can_allocate(need):
+            n = self._chunk(s, budget)
+            if not self.pool.can_allocate(self._pages_to_feed(s, n) + len(self.running)):
                 break  # backpressure: the head waits until pages come back
             self.waiting.popleft()
-            s.run = self.pool.allocate(s.rid, need)
             s.phase = Phase.RUNNING
-            budget -= len(s.prompt)
-            batch.append(s)
-        return batch or list(self.running)
+            self.running.append(s)
+            self._grow(s, n, batch)
+            batch.append((s, n))
+            budget -= n
+        return batch
+
+    @staticmethod
+    def _chunk(s: Sequence, budget: int) -> int:
+        return min(len(s.tokens) - s.num_cached, budget)
+
+    def _pages_to_feed(self, s: Sequence, n: int) -> int:
+        have = len(s.run.pages) if s.run is not None else 0
+        return max(0, self.pool.cfg.pages_for(s.num_cached + n) - have)
+
+    def _grow(self, s: Sequence, n: int, batch: list[tuple[Sequence, int]]) -> bool:
+        """Give ``s`` the pages for ``n`` more tokens, preempting newer requests if the pool is dry. False if
+        ``s`` itself had to go."""
+        need = self._pages_to_feed(s, n)
+        scheduled = {id(x) for x, _ in batch}
+        while not self.pool.can_allocate(need):
+            victim = next((v for v in reversed(self.running) if id(v) not in scheduled), None)
+            self._preempt(victim)
+            if victim is s:
+                return False
+        if need:
+            more = self.pool.allocate(s.rid, need)
+            s.run = more if s.run is None else PageRun(s.run.pages + more.pages, s.run.generations + more.generations)
+        return True
+
+    def _preempt(self, s: Sequence) -> None:
+        """Recompute-preemption: free every page (their generations move on, so the old table is stale) and
+        requeue at the head with all its tokens; its next prefill recomputes them."""
+        self.running.remove(s)
+        if s.run is not None:
+            self.pool.free(s.run)
+        s.run, s.num_cached, s.phase = None, 0, Phase.WAITING
+        self.waiting.appendleft(s)
+        self.preemptions += 1
+        if self.metrics:
+            self.metrics.preemptions.inc()
 
     def _advance(self, s: Sequence, token: int) -> None:
-        first = s.num_cached == 0
-        s.num_cached = len(s.tokens)
+        first = s.num_output == 0
         s.tokens.append(token)
         if first and self.role == "prefill":
+            self.running.remove(s)
             s.phase = Phase.TRANSFER
             s.sink(Event(s.rid, (token,)))
             self.handoff(s)
             return
-        if first:
-            self.running.append(s)
         reason = s.finish_reason(token)
         s.sink(Event(s.rid, (token,)))
         if reason:
@@ -206,7 +270,7 @@ class Engine:
             return
         if s in self.running:
             self.running.remove(s)
-        elif s.phase is Phase.WAITING and s in self.waiting:
+        elif s in self.waiting:
             self.waiting.remove(s)
         s.phase = Phase.DONE
         self.seqs.pop(s.rid, None)

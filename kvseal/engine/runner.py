@@ -1,9 +1,10 @@
-"""Turns a list of sequences into one paged forward pass, after checking their page tables against the tags.
+"""Turns a step's ``(sequence, tokens to feed)`` pairs into one packed forward pass, after checking their page
+tables against the tags.
 
-For each sequence the step feeds ``tokens[num_cached:]``; positions start at ``num_cached``; the context it
-reads is every slot of positions ``0 .. num_cached + fed - 1`` through its page table. The tag check runs on
-the whole batch's tables before the forward reads the pool: a sequence whose table does not match its tags
-is dropped from the batch (returned in ``failed``) and never reaches attention.
+A sequence feeds ``tokens[num_cached : num_cached + n]`` (a prefill chunk, or one token when decoding) at
+positions ``num_cached ..``; it reads every slot of positions ``0 .. num_cached + n - 1`` through its page
+table. The tag check runs on the whole batch's tables before the forward reads the pool: a sequence whose
+table does not match its tags is dropped from the batch (returned in ``failed``) and never reaches attention.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import torch
 
 from kvseal.engine.sequence import Sequence
 from kvseal.kv.pool import PagePool
+from kvseal.model.attention import DecodeRows, Span
 from kvseal.model.llama import ForwardBatch, LlamaModel
 
 
 @dataclass
 class StepResult:
     seqs: list[Sequence]  # sequences that ran, in logits order
+    fed: list[int]  # how many tokens each of them fed
     logits: torch.Tensor | None
     failed: list[Sequence]  # failed the tag check: never read the pool
 
@@ -44,41 +47,48 @@ class Runner:
         owners = torch.tensor([s.rid for s in seqs], dtype=torch.int64)
         return self.pool.check_tables(table, gens, owners, valid).tolist()
 
-    def step(self, seqs: list[Sequence]) -> StepResult:
+    def step(self, batch: list[tuple[Sequence, int]]) -> StepResult:
+        """Run ``(sequence, tokens to feed)`` pairs as one forward; single-token rows go first."""
+        batch = sorted(batch, key=lambda e: e[1] != 1)
         failed: list[Sequence] = []
         if self.check_tags:
-            ok = self.tag_check(seqs)
-            failed = [s for s, good in zip(seqs, ok) if not good]
-            seqs = [s for s, good in zip(seqs, ok) if good]
-        if not seqs:
-            return StepResult([], None, failed)
-        return StepResult(seqs, self.model.forward(self.pool.kv, self.build(seqs)), failed)
+            ok = self.tag_check([s for s, _ in batch])
+            failed = [s for (s, _), good in zip(batch, ok) if not good]
+            batch = [e for e, good in zip(batch, ok) if good]
+        if not batch:
+            return StepResult([], [], None, failed)
+        logits = self.model.forward(self.pool.kv, self.build(batch))
+        return StepResult([s for s, _ in batch], [n for _, n in batch], logits, failed)
 
-    def build(self, seqs: list[Sequence]) -> ForwardBatch:
-        ps, max_pos = self.ps, self.model.cfg.max_context - 1
-        fed = [s.tokens[s.num_cached:] for s in seqs]
-        t = max(len(f) for f in fed)
-        starts = torch.tensor([s.num_cached for s in seqs])
-        lens = torch.tensor([len(f) for f in fed])
-        ctx = starts + lens
-        n_ctx = int(ctx.max())
-        ids = torch.zeros((len(seqs), t), dtype=torch.int64)
-        for i, f in enumerate(fed):
-            ids[i, : len(f)] = torch.tensor(f)
-        ar_t = torch.arange(t)
-        positions = starts[:, None] + ar_t[None, :]
-        n_pages = -(-n_ctx // ps)
-        table = torch.zeros((len(seqs), n_pages), dtype=torch.int64)
-        for i, s in enumerate(seqs):
-            used = min(len(s.run.pages), n_pages)
-            table[i, :used] = torch.tensor(s.run.pages[:used])
-        real = ar_t[None, :] < lens[:, None]  # [B, T]
-        write_index = real.reshape(-1).nonzero().squeeze(1)
-        page_of = table.gather(1, (positions // ps).clamp(max=n_pages - 1))
-        write_slots = (page_of * ps + positions % ps).reshape(-1)[write_index]
-        ar_l = torch.arange(n_pages * ps)
-        mask = (ar_l[None, None, :] <= positions[:, :, None]) & (ar_l[None, None, :] < ctx[:, None, None])
-        return ForwardBatch(
-            input_ids=ids, positions=positions.clamp(max=max_pos), write_index=write_index,
-            write_slots=write_slots, read_pages=table, mask=mask.unsqueeze(1),
-            logits_index=torch.arange(len(seqs)) * t + lens - 1)
+    def build(self, batch: list[tuple[Sequence, int]]) -> ForwardBatch:
+        """Pack the fed tokens (single-token rows first, as ``step`` orders them) with their positions, the
+        slots their K/V go to, and each request's page table up to the pages its context covers."""
+        ps = self.ps
+        ids: list[int] = []
+        pos: list[int] = []
+        tables: list[torch.Tensor] = []
+        for s, n in batch:
+            ids += s.tokens[s.num_cached: s.num_cached + n]
+            pos += range(s.num_cached, s.num_cached + n)
+            tables.append(torch.tensor(s.run.pages[: -(-(s.num_cached + n) // ps)], dtype=torch.int64))
+        positions = torch.tensor(pos, dtype=torch.int64)
+        flat = torch.cat(tables)
+        offsets = torch.tensor([0] + [len(t) for t in tables[:-1]]).cumsum(0)
+        row_seq = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([n for _, n in batch]))
+        write_slots = flat[offsets[row_seq] + positions // ps] * ps + positions % ps
+        n_dec = sum(1 for _, n in batch if n == 1)
+        decode = None
+        if n_dec:
+            width = max(len(t) for t in tables[:n_dec])
+            pages = torch.zeros((n_dec, width), dtype=torch.int64)
+            for i, t in enumerate(tables[:n_dec]):
+                pages[i, : len(t)] = t
+            decode = DecodeRows(pages, positions[:n_dec] + 1)
+        spans, start = [], n_dec
+        for (s, n), t in zip(batch[n_dec:], tables[n_dec:]):
+            spans.append(Span(start, n, s.num_cached, t))
+            start += n
+        ends = torch.tensor([n for _, n in batch]).cumsum(0) - 1
+        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.int64),
+                            positions=positions.clamp(max=self.model.cfg.max_context - 1),
+                            write_slots=write_slots, logits_index=ends, decode=decode, spans=spans)

@@ -1,7 +1,8 @@
 """One request's state inside an engine: its tokens, its pages, where it stands, and where its output goes.
 
 ``tokens`` is prompt + generated; ``num_cached`` counts the tokens whose K/V are in the pool. ``run`` holds
-the pages reserved for prompt + max_tokens at admission, so a running request never waits for a page.
+the pages allocated so far, in position order; it grows a page at a time as the request does, and a
+preemption empties it (``num_cached`` back to 0: the tokens are recomputed).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings) whose attention reads the paged pool.
 
-One forward serves prefill and decode alike: queries are a padded ``[B, T]`` batch, keys and values are
-gathered from the pool page by page through each request's page table ``read_pages [B, P]``, and
-``mask [B, 1, T, P * page_size]`` hides padding, unwritten slots and the future. New K/V are scattered into
-the pool *before* the gather, so a token attends to itself. This plain-PyTorch path is the reference; it is
-also the fast path.
-
-The pool is page-major, ``kv[page, layer, 0|1, kv_head, offset, head_dim]`` (see ``kvseal.kv.pool``): one
-layer's keys for one head of one page are a contiguous row of ``page_size * head_dim``, so the gather is one
-``index_select`` of such rows straight into ``[B, KVH, P * page_size, D]``, the layout attention multiplies.
+One forward serves prefill chunks and decode steps together: a step's tokens are packed into ``[N]`` rows
+(no padding), every linear layer runs on all rows at once, and attention (``kvseal.model.attention``) reads
+each request's pages through its page table. New K/V are scattered into the pool *before* attention, so a
+token attends to itself.
 
 Numerics mirror Hugging Face's Llama (RMSNorm in fp32, RoPE tables in fp32 cast to the activation dtype) so
 greedy tokens match transformers in the same dtype.
@@ -22,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvseal.config import ModelConfig
+from kvseal.model.attention import DecodeRows, PagedAttention, Span, scatter_kv, write_rows
 
 
 @dataclass
@@ -45,15 +41,14 @@ class Weights:
 
 @dataclass
 class ForwardBatch:
-    """Everything one forward pass needs; built by the runner from page tables."""
+    """Everything one forward pass needs, packed without padding; built by the runner from page tables."""
 
-    input_ids: torch.Tensor  # [B, T]
-    positions: torch.Tensor  # [B, T]
-    write_index: torch.Tensor  # [N] indices into the flattened [B*T] of real (non-pad) tokens
-    write_slots: torch.Tensor  # [N] flat pool slots (page * page_size + offset) those tokens' K/V go to
-    read_pages: torch.Tensor  # [B, P] each request's page table (pad = any page; masked out)
-    mask: torch.Tensor  # [B, 1, T, P * page_size] bool, True = attend
-    logits_index: torch.Tensor  # [B] index into [B*T] of the token whose next-token logits we want
+    input_ids: torch.Tensor  # [N] decode rows first, then each prefill chunk's rows
+    positions: torch.Tensor  # [N]
+    write_slots: torch.Tensor  # [N] flat pool slots (page * page_size + offset) each token's K/V go to
+    logits_index: torch.Tensor  # [B] the row whose next-token logits each request wants
+    decode: DecodeRows | None  # rows [0, decode.n): one token per request
+    spans: list[Span]  # prefill chunks
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,60 +72,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def gather_rows(kv: torch.Tensor, read_pages: torch.Tensor) -> torch.Tensor:
-    """[B, KVH, P] ids of layer 0's key rows for each page table entry, in ``kv`` viewed as rows of
-    ``[page_size, D]``; layer ``i``'s keys (``j=0``) or values (``j=1``) are ``(2 * i + j) * KVH`` further on."""
-    n_layers, kvh = kv.shape[1], kv.shape[3]
-    return read_pages[:, None, :] * (n_layers * 2 * kvh) + torch.arange(kvh)[None, :, None]
-
-
-def write_rows(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[N, KVH] ids of layer 0's key rows of flat pool ``slots`` in ``kv`` viewed as rows of ``[D]``; layer
-    ``i``'s keys or values are ``(2 * i + j) * KVH * page_size`` further on."""
-    n_layers, kvh, ps = kv.shape[1], kv.shape[3], kv.shape[4]
-    page, offset = slots // ps, slots % ps
-    return (page * (n_layers * 2 * kvh * ps) + offset)[:, None] + torch.arange(kvh)[None, :] * ps
-
-
-def gather_kv(kv: torch.Tensor, rows: torch.Tensor, layer: int, j: int) -> torch.Tensor:
-    """Keys (``j=0``) or values (``j=1``) of ``layer`` for the pages in ``rows`` (``gather_rows``):
-    ``[B, KVH, P * page_size, D]``."""
-    bsz, kvh, n_pages = rows.shape
-    ps, dim = kv.shape[4], kv.shape[5]
-    picked = kv.view(-1, ps, dim).index_select(0, (rows + (2 * layer + j) * kvh).reshape(-1))
-    return picked.view(bsz, kvh, n_pages * ps, dim)
-
-
-def scatter_kv(kv: torch.Tensor, rows: torch.Tensor, layer: int, j: int, new: torch.Tensor) -> None:
-    """Write ``new [N, KVH, D]`` to the slots behind ``rows`` (``write_rows``) as ``layer``'s keys or values."""
-    step = (2 * layer + j) * kv.shape[3] * kv.shape[4]
-    kv.view(-1, kv.shape[5]).index_copy_(0, (rows + step).reshape(-1), new.reshape(-1, kv.shape[5]))
-
-
-def paged_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, T, H, D]; keys/vals [B, KVH, L, D] gathered from the pool by page; mask [B, 1, T, L] → [B, T, H*D].
-
-    Prefill (T > 1) uses PyTorch's SDPA (flash kernel on CPU: no L×L matrix in memory). Decode (T == 1) uses
-    an explicit grouped-query product over the gathered pages, several times faster than SDPA with a mask on
-    CPU; a test holds it equal to SDPA.
-    """
-    bsz, t, heads, dim = q.shape
-    if t > 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=True)
-        return out.transpose(1, 2).reshape(bsz, t, heads * dim)
-    return decode_attention(q, keys, vals, mask)
-
-
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    bsz, _, heads, dim = q.shape
-    kv_heads, n_ctx = keys.shape[1], keys.shape[2]
-    qg = q.view(bsz, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * dim**-0.5  # [B, KVH, G, L]
-    scores = scores.masked_fill(~mask.view(bsz, 1, 1, n_ctx), float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(q.dtype), vals)  # [B, KVH, G, D]
-    return out.reshape(bsz, 1, heads * dim)
-
-
 class LlamaModel:
     """Stateless apart from weights: the KV lives in the pool passed to ``forward``."""
 
@@ -141,32 +82,30 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(cfg, dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.decode_kernel: object = None  # kvseal.model.kernels.DecodeKernel when built; None = plain PyTorch
 
     @torch.inference_mode()
     def forward(self, kv: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
-        """Returns fp32 logits [B, vocab] for ``b.logits_index``; writes new K/V into ``kv``."""
+        """Returns fp32 logits [B, vocab] for ``b.logits_index``; writes this step's K/V into ``kv``."""
         cfg = self.cfg
-        bsz, t = b.input_ids.shape
-        kvh, dim = cfg.num_kv_heads, cfg.head_dim
-        x = F.embedding(b.input_ids, self.w.embed)
-        cos = self.cos[b.positions].unsqueeze(2)  # [B, T, 1, D]
-        sin = self.sin[b.positions].unsqueeze(2)
-        reads = gather_rows(kv, b.read_pages)
+        n = b.input_ids.shape[0]
+        heads, kvh, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.embedding(b.input_ids, self.w.embed)  # [N, hidden]
+        cos = self.cos[b.positions].unsqueeze(1)  # [N, 1, D]
+        sin = self.sin[b.positions].unsqueeze(1)
         writes = write_rows(kv, b.write_slots)
-        all_real = b.write_index.numel() == bsz * t  # decode: no padding to skip
+        attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel)
         for i, layer in enumerate(self.w.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
             qkv = F.linear(h, layer.wqkv, layer.bqkv)
-            qk = apply_rope(qkv[..., : self.q_size + self.kv_size].view(bsz, t, cfg.num_heads + kvh, dim), cos, sin)
-            q, k = qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads:]
-            v = qkv[..., self.q_size + self.kv_size:]
-            for j, new in ((0, k), (1, v)):
-                new = new.reshape(bsz * t, kvh, dim)
-                scatter_kv(kv, writes, i, j, new if all_real else new.index_select(0, b.write_index))
-            keys, vals = gather_kv(kv, reads, i, 0), gather_kv(kv, reads, i, 1)
-            x = x + F.linear(paged_attention(q, keys, vals, b.mask), layer.wo)
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, heads + kvh, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(n, kvh, dim)
+            scatter_kv(kv, writes, i, 0, k)
+            scatter_kv(kv, writes, i, 1, v)
+            x = x + F.linear(attend(i, q, k, v), layer.wo)
             h = rms_norm(x, layer.mlp_norm, cfg.rms_eps)
             gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down)
-        last = x.reshape(bsz * t, -1).index_select(0, b.logits_index)
+        last = x.index_select(0, b.logits_index)
         return F.linear(rms_norm(last, self.w.norm, cfg.rms_eps), self.w.lm_head).float()

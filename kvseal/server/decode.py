@@ -1,6 +1,7 @@
 """The decode worker's side of the protocol: reserve → (pages land) → verify commit → decode → stream.
 
-Leases live here, keyed by request id. A commit is accepted only if: the lease exists with that nonce
+A lease reserves the prompt's pages (waiting, boundedly, while the pool has none to spare); the engine
+grows them as the request decodes. Leases live here, keyed by request id. A commit is accepted only if: the lease exists with that nonce
 (not revoked), it covers exactly the reserved prompt (coverage: token count and page list), the pages are
 still RESERVED for this request with the leased generations (tags), and the xxh3-128 checksum over the bytes
 now in this pool and the metadata matches (checksum). Only then do the pages become OWNED and the request
@@ -108,7 +109,8 @@ def ack_error(e: EngineError) -> Response:
 
 class DecodeService:
     def __init__(self, engine: Engine, eos_ids: tuple[int, ...], target: str, decode_id: str,
-                 faults: Faults | None = None, lease_ttl: float = 0.0) -> None:
+                 faults: Faults | None = None, lease_ttl: float = 0.0, reserve_wait: float = 20.0,
+                 max_waiting: int = 256) -> None:
         self.engine = engine
         self.pool = engine.pool
         self.eos = frozenset(eos_ids)
@@ -121,6 +123,9 @@ class DecodeService:
         self.outboxes: dict[str, Outbox] = {}
         self.heartbeat = 1.0
         self.lease_ttl = lease_ttl  # 0: leases never expire
+        self.reserve_wait = reserve_wait
+        self.max_waiting = max_waiting
+        self.waiting_reserves = 0
         self._expiry: asyncio.Task | None = None
         self.client = httpx.AsyncClient(timeout=5.0)
 
@@ -162,14 +167,7 @@ class DecodeService:
         if self.prot.admission and n > self.engine.cfg.admit_limit:
             raise ContextLengthError(len(r.prompt), r.max_new, self.engine.cfg.context_window,
                                      self.pool.cfg.capacity_tokens)
-        need = self.pool.cfg.pages_for(n)
-
-        def take() -> PageRun | None:
-            return self.pool.allocate(r.rid, need, PageState.RESERVED) if self.pool.can_allocate(need) else None
-
-        run = await asyncio.wrap_future(self.engine.call(take))
-        if run is None:
-            raise Overloaded(f"decode KV pool full ({self.pool.num_free} pages free, {need} needed)")
+        run = await self._take_pages(r.rid, self.pool.cfg.pages_for(len(r.prompt)))
         if self.lease_ttl and self._expiry is None:
             self._expiry = asyncio.ensure_future(self._expire_loop())
         box = self.outbox(r.subscriber)
@@ -178,6 +176,29 @@ class DecodeService:
         return P.Lease(rid=r.rid, nonce=st.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
                        layout=list(self.pool.kv.shape))
+
+    async def _take_pages(self, rid: int, need: int) -> PageRun:
+        """The prompt's pages, RESERVED for the lease (decode grows them as it generates). A pool that has
+        them not *now* is waited on, up to ``reserve_wait`` seconds, by at most ``max_waiting`` requests; past
+        either bound the answer is 503 and the router tells the client to retry."""
+        def take() -> PageRun | None:
+            spare = len(self.engine.running)  # a page of growth for every running request, as the engine admits
+            ok = self.pool.can_allocate(need + spare)
+            return self.pool.allocate(rid, need, PageState.RESERVED) if ok else None
+
+        if self.waiting_reserves >= self.max_waiting:
+            raise Overloaded(f"decode reserve queue full ({self.max_waiting} waiting)")
+        self.waiting_reserves += 1
+        try:
+            deadline = time.monotonic() + self.reserve_wait
+            while (run := await asyncio.wrap_future(self.engine.call(take))) is None:
+                if time.monotonic() >= deadline:
+                    raise Overloaded(f"decode KV pool full for {self.reserve_wait:g} s "
+                                     f"({self.pool.num_free} pages free, {need} needed)")
+                await asyncio.sleep(0.02)
+            return run
+        finally:
+            self.waiting_reserves -= 1
 
     # -- commit -----------------------------------------------------------------------------------------
     async def commit(self, c: P.Commit) -> P.Ack:

@@ -20,6 +20,8 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.integrity_failures = Counter("kvseal_kv_integrity_failures", "Page-tag or commit check failures",
                                           registry=r)
+        self.preemptions = Counter("kvseal_preemptions", "Requests preempted (pages freed, recomputed later)",
+                                   registry=r)
         self.pool_pages = Gauge("kvseal_pool_pages", "KV pool pages by state", ["state"], registry=r)
         self._pool_counts = pool_counts
 

@@ -1,0 +1,131 @@
+"""Paged attention over the pool, for one packed (ragged) batch: single-token rows and prefill chunks.
+
+A step's tokens are packed into one ``[N]`` row set (no padding): the first ``n_decode`` rows are requests
+that feed one token (decode), each followed by nothing; the rest are prefill chunks (``Span``), each a run of
+consecutive rows of one request. Linear layers run on all ``N`` rows at once; only attention is split:
+
+- decode rows: one query per request against its pages, through ``decode_attention`` (plain PyTorch: gather
+  the pages, grouped-query product) or the in-place kernel of ``kvseal.model.kernels`` when it is built;
+- a chunk whose request has no earlier context: causal SDPA over its own fresh keys and values (nothing in
+  the pool is read);
+- a later chunk: SDPA over its pages gathered from the pool, masked so token ``t`` sees positions ``<= pos0+t``.
+
+The pool is page-major, ``kv[page, layer, 0|1, kv_head, offset, head_dim]`` (``kvseal.kv.pool``): one
+layer's keys for one head of one page are a contiguous ``[page_size, head_dim]`` row, so a gather is one
+``index_select`` of rows straight into ``[B, KVH, P * page_size, D]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Span:
+    """A prefill chunk: packed rows ``[start, start + n)``, positions ``pos0 ..``, its request's pages."""
+
+    start: int
+    n: int
+    pos0: int
+    pages: torch.Tensor  # [P] int64
+
+
+@dataclass
+class DecodeRows:
+    """The single-token rows ``[0, n)``: page tables ``[n, P]`` and context lengths (new token included)."""
+
+    pages: torch.Tensor
+    lens: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.pages.shape[0])
+
+
+def gather_rows(kv: torch.Tensor, read_pages: torch.Tensor) -> torch.Tensor:
+    """[B, KVH, P] ids of layer 0's key rows for each page table entry, in ``kv`` viewed as rows of
+    ``[page_size, D]``; layer ``i``'s keys (``j=0``) or values (``j=1``) are ``(2 * i + j) * KVH`` further on."""
+    n_layers, kvh = kv.shape[1], kv.shape[3]
+    return read_pages[:, None, :] * (n_layers * 2 * kvh) + torch.arange(kvh)[None, :, None]
+
+
+def write_rows(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[N, KVH] ids of layer 0's key rows of flat pool ``slots`` in ``kv`` viewed as rows of ``[D]``; layer
+    ``i``'s keys or values are ``(2 * i + j) * KVH * page_size`` further on."""
+    n_layers, kvh, ps = kv.shape[1], kv.shape[3], kv.shape[4]
+    page, offset = slots // ps, slots % ps
+    return (page * (n_layers * 2 * kvh * ps) + offset)[:, None] + torch.arange(kvh)[None, :] * ps
+
+
+def gather_kv(kv: torch.Tensor, rows: torch.Tensor, layer: int, j: int) -> torch.Tensor:
+    """Keys (``j=0``) or values (``j=1``) of ``layer`` for the pages in ``rows`` (``gather_rows``):
+    ``[B, KVH, P * page_size, D]``."""
+    bsz, kvh, n_pages = rows.shape
+    ps, dim = kv.shape[4], kv.shape[5]
+    picked = kv.view(-1, ps, dim).index_select(0, (rows + (2 * layer + j) * kvh).reshape(-1))
+    return picked.view(bsz, kvh, n_pages * ps, dim)
+
+
+def scatter_kv(kv: torch.Tensor, rows: torch.Tensor, layer: int, j: int, new: torch.Tensor) -> None:
+    """Write ``new [N, KVH, D]`` to the slots behind ``rows`` (``write_rows``) as ``layer``'s keys or values."""
+    step = (2 * layer + j) * kv.shape[3] * kv.shape[4]
+    kv.view(-1, kv.shape[5]).index_copy_(0, (rows + step).reshape(-1), new.reshape(-1, kv.shape[5]))
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D]; keys/vals [B, KVH, L, D]; mask [B, L] (True = attend) → [B, H*D]. The reference."""
+    bsz, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    qg = q.view(bsz, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * dim**-0.5  # [B, KVH, G, L]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(q.dtype), vals)  # [B, KVH, G, D]
+    return out.reshape(bsz, heads * dim)
+
+
+class PagedAttention:
+    """Attention for one forward pass: the per-step metadata is built once here and reused by every layer."""
+
+    def __init__(self, kv: torch.Tensor, decode: DecodeRows | None, spans: list[Span], kernel: object = None) -> None:
+        self.kv = kv
+        self.decode = decode
+        self.spans = spans
+        self.kernel = kernel  # kvseal.model.kernels.DecodeKernel, or None for the plain PyTorch path
+        if decode is not None and kernel is None:
+            n_ctx = decode.pages.shape[1] * kv.shape[4]
+            self.d_rows = gather_rows(kv, decode.pages)
+            self.d_mask = torch.arange(n_ctx)[None, :] < decode.lens[:, None]
+        self.s_rows = [gather_rows(kv, s.pages[None]) if s.pos0 else None for s in spans]
+        self.s_mask = [_chunk_mask(s, kv.shape[4]) if s.pos0 else None for s in spans]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, H, D], this step's k/v [N, KVH, D] (already in the pool) → [N, H*D]."""
+        outs = []
+        if self.decode is not None:
+            outs.append(self._decode(layer, q[: self.decode.n]))
+        for s, rows, mask in zip(self.spans, self.s_rows, self.s_mask):
+            qs = q[s.start: s.start + s.n].transpose(0, 1)[None]  # [1, H, T, D]
+            if rows is None:  # first chunk: its keys are exactly this step's
+                ks, vs = k[s.start: s.start + s.n].transpose(0, 1)[None], v[s.start: s.start + s.n].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                ks, vs = gather_kv(self.kv, rows, layer, 0), gather_kv(self.kv, rows, layer, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(s.n, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(q, self.kv, layer, self.decode.pages, self.decode.lens)
+        keys, vals = gather_kv(self.kv, self.d_rows, layer, 0), gather_kv(self.kv, self.d_rows, layer, 1)
+        return decode_attention(q, keys, vals, self.d_mask)
+
+
+def _chunk_mask(s: Span, page_size: int) -> torch.Tensor:
+    """[1, 1, T, P * page_size]: token ``t`` of the chunk sees pool positions ``0 .. pos0 + t``."""
+    n_ctx = s.pages.shape[0] * page_size
+    pos = s.pos0 + torch.arange(s.n)
+    return (torch.arange(n_ctx)[None, :] <= pos[:, None])[None, None]
