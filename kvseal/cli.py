@@ -33,6 +33,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--step-token-budget", type=int, default=512,
                    help="tokens per engine step (decodes + prefill chunks); bounds every stream's inter-token gap")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "int8", "int4"],
+                   help="linear-layer kernels: bf16, or weight-only int8/int4 for steps of few rows (bf16 above)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--share-cores", default=None, metavar="LOCKFILE",
                    help="time-share the cores with other engines using the same lock file (one forward at a time)")
@@ -52,7 +54,8 @@ def protections(a: argparse.Namespace) -> Protections:
 def worker_spec(a: argparse.Namespace) -> WorkerSpec:
     return WorkerSpec(model=a.model, dtype=a.dtype, kv_pool_tokens=a.kv_pool_tokens, kv_memory_gib=a.kv_memory,
                       page_size=a.page_size, context=a.context, allow_pool_below_context=a.allow_pool_below_context,
-                      max_running=a.max_running, step_token_budget=a.step_token_budget, threads=a.threads,
+                      max_running=a.max_running, step_token_budget=a.step_token_budget, weights=a.weights,
+                      threads=a.threads,
                       share_cores=a.share_cores, scrub_on_free=a.scrub_on_free, protections=protections(a))
 
 

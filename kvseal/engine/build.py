@@ -31,6 +31,7 @@ class WorkerSpec:
     allow_pool_below_context: bool = False
     max_running: int = 64
     step_token_budget: int = 512
+    weights: str = "bf16"  # kvseal.model.quant.WEIGHT_MODES
     threads: int = 0
     share_cores: str | None = None  # lock file shared with another engine on this host (CoreLock)
     scrub_on_free: bool = False
@@ -60,6 +61,8 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
     lm = loaded or off_main_thread(lambda: load(spec.model, dtype))
     m = lm.model.cfg
+    if lm.model.weights_mode != spec.weights:
+        lm.model.use_weights(spec.weights)
     tokens = spec.kv_pool_tokens or pool_tokens_for(m, dtype, int(spec.kv_memory_gib * 2**30), spec.page_size)
     sizing = preflight(m, dtype, tokens, spec.context, spec.allow_pool_below_context)
     pool_cfg = PoolConfig(num_pages=tokens // spec.page_size, page_size=spec.page_size,

@@ -93,8 +93,9 @@ class PagedAttention:
         self.kv = kv
         self.decode = decode
         self.spans = spans
-        self.kernel = kernel  # kvseal.model.kernels.DecodeKernel, or None for the plain PyTorch path
-        if decode is not None and kernel is None:
+        # kvseal.model.kernels.DecodeKernel, or None for the plain PyTorch path
+        self.kernel = kernel if kernel is not None and kernel.fits(kv) else None
+        if decode is not None and self.kernel is None:
             n_ctx = decode.pages.shape[1] * kv.shape[4]
             self.d_rows = gather_rows(kv, decode.pages)
             self.d_mask = torch.arange(n_ctx)[None, :] < decode.lens[:, None]

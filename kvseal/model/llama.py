@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from kvseal.config import ModelConfig
 from kvseal.model.attention import DecodeRows, PagedAttention, Span, scatter_kv, write_rows
+from kvseal.model.kernels import load_decode_kernel
+from kvseal.model.quant import Linear
 
 
 @dataclass
@@ -37,6 +39,16 @@ class Weights:
     layers: list[Layer]
     norm: torch.Tensor
     lm_head: torch.Tensor  # the embedding itself when tied
+
+
+@dataclass
+class LayerLinears:
+    """One layer's matmuls with their kernels chosen (``kvseal.model.quant.Linear``)."""
+
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
 
 
 @dataclass
@@ -82,7 +94,21 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(cfg, dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.decode_kernel: object = None  # kvseal.model.kernels.DecodeKernel when built; None = plain PyTorch
+        self.use_weights("bf16")
+        # the in-place paged decode kernel when it was built (None: the plain PyTorch reference)
+        self.decode_kernel = load_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    def use_weights(self, mode: str, small_rows: int = 8) -> None:
+        """Pick the linear layers' kernels (``kvseal.model.quant``): bf16, or int8/int4 for steps of at most
+        ``small_rows`` rows."""
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
+            return Linear(w, b, mode, small_rows)
+
+        self.weights_mode = mode
+        self.lin = [LayerLinears(lin(x.wqkv, x.bqkv), lin(x.wo), lin(x.w_gate_up), lin(x.w_down))
+                    for x in self.w.layers]
+        # the (tied) embedding is not a 4-bit tensor in GGUF files: int4 there costs real accuracy, int8 not
+        self.head = Linear(self.w.lm_head, None, "int8" if mode == "int4" else mode, small_rows)
 
     @torch.inference_mode()
     def forward(self, kv: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
@@ -95,17 +121,17 @@ class LlamaModel:
         sin = self.sin[b.positions].unsqueeze(1)
         writes = write_rows(kv, b.write_slots)
         attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel)
-        for i, layer in enumerate(self.w.layers):
+        for i, (layer, lin) in enumerate(zip(self.w.layers, self.lin)):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
-            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            qkv = lin.qkv(h)
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, heads + kvh, dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(n, kvh, dim)
             scatter_kv(kv, writes, i, 0, k)
             scatter_kv(kv, writes, i, 1, v)
-            x = x + F.linear(attend(i, q, k, v), layer.wo)
+            x = x + lin.o(attend(i, q, k, v))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = lin.gate_up(h).chunk(2, dim=-1)
+            x = x + lin.down(F.silu(gate) * up)
         last = x.index_select(0, b.logits_index)
-        return F.linear(rms_norm(last, self.w.norm, cfg.rms_eps), self.w.lm_head).float()
+        return self.head(rms_norm(last, self.w.norm, cfg.rms_eps)).float()

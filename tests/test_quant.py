@@ -1,0 +1,52 @@
+"""Weight-only int8/int4 linear layers: the packed kernels compute with exactly the weights they claim
+(``dequantized``), large steps take the bf16 path unchanged, and the real model runs in every mode."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_util import chat_ids, generate, make_engine
+
+from kvseal.model.quant import Linear, dequantize_int4, int4_codes
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_packed_kernel_equals_its_dequantized_weight(mode):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16)
+    lin = Linear(w, b, mode, small_rows=4)
+    for rows in (1, 4):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+        ref = F.linear(x.float(), lin.dequantized().float(), b.float())
+        torch.testing.assert_close(lin(x).float(), ref, atol=0.05, rtol=0.02)
+    x = torch.randn(5, 128, generator=gen).to(torch.bfloat16)  # above small_rows: the bf16 weight, bit for bit
+    assert torch.equal(lin(x), F.linear(x, w, b))
+    assert (lin.dequantized().float() - w.float()).norm() / w.float().norm() < (0.12 if mode == "int4" else 0.02)
+
+
+def test_int4_grid_reproduces_a_4bit_group_exactly():
+    """Weights already on a 4-bit grid per group of 32 (as GGUF Q4_1 blocks are) come back unchanged."""
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (8, 64), generator=gen)
+    codes[:, ::32] = 0
+    codes[:, 1::32] = 15  # every group spans the full grid, as a min/max quantizer's does
+    scale = torch.rand(8, 2, generator=gen)[..., None] * 0.01 + 0.001
+    lo = torch.randn(8, 2, generator=gen)[..., None] * 0.01
+    w = (codes.view(8, 2, 32) * scale + lo).view(8, 64)
+    got = dequantize_int4(*int4_codes(w))
+    torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_model_serves_in_every_weight_mode(bf16_model, mode):
+    prompts = [chat_ids(bf16_model, "What is the capital of Germany?")]
+    bf16_model.model.use_weights(mode)
+    try:
+        engine = make_engine(bf16_model, dtype="bf16")
+        try:
+            out = generate(engine, prompts, 12, eos=(2,))[0]
+        finally:
+            engine.stop()
+    finally:
+        bf16_model.model.use_weights("bf16")
+    assert "Berlin" in bf16_model.tokenizer.decode(out)
