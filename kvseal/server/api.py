@@ -62,7 +62,9 @@ async def unless_gone(request: Request, aw: Awaitable[T], poll: float = 0.25) ->
 
 
 def error_response(e: EngineError) -> JSONResponse:
-    return JSONResponse({"error": e.to_dict()}, status_code=e.status)
+    """OpenAI's error body; capacity answers (429/503) say when to come back, as vLLM and OpenAI do."""
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse({"error": e.to_dict()}, status_code=e.status, headers=headers)
 
 
 async def parse(request: Request, model: type[Sampling]) -> Sampling:
