@@ -86,6 +86,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
     r.add_argument("--model", default=None, help="tokenizer source (default: SmolLM2-135M-Instruct)")
     r.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker is failed")
+    r.add_argument("--probe-timeout", type=float, default=5.0,
+                   help="health-probe timeout; a worker that answered real work recently stays in service")
+    r.add_argument("--max-inflight", type=int, default=256,
+                   help="requests in flight per worker; past it new requests are answered 429 at once")
     for name, flag in UNSAFE_FLAGS.items():
         r.add_argument(flag, dest=f"unsafe_{name}", action="store_true", help=argparse.SUPPRESS)
     r.add_argument("--unsafe-no-all", action="store_true", help=argparse.SUPPRESS)

@@ -33,8 +33,9 @@ PREFILL_POINTS = ("legacy_placeholder", "crash_before_write", "delay_page_write"
                   "corrupt_page_write", "crash_after_write", "reorder_commit", "corrupt_commit", "delay_commit",
                   "drop_commit", "duplicate_commit", "crash_after_commit")
 DECODE_POINTS = ("delay_reserve", "crash_at_reserve", "crash_at_commit")
+WORKER_POINTS = ("slow_health",)  # prefill: while it has work in flight, /health answers only after the delay
 ROUTER_POINTS = ("crash_after_reserve",)
-POINTS = PREFILL_POINTS + DECODE_POINTS + ROUTER_POINTS
+POINTS = PREFILL_POINTS + DECODE_POINTS + WORKER_POINTS + ROUTER_POINTS
 CRASH_EXIT = 17  # the exit status of a worker killed by a crash_* point
 
 

@@ -47,6 +47,14 @@ class Overloaded(EngineError):
     type = "server_error"
 
 
+class TooManyRequests(EngineError):
+    """Shed at the door: more in flight than the workers are allowed to queue. Retry later."""
+
+    status = 429
+    code = "too_many_requests"
+    type = "server_error"
+
+
 class KVIntegrityError(EngineError):
     status = 500
     code = "kv_integrity_error"

@@ -180,6 +180,8 @@ def prefill_app(svc: PrefillService) -> FastAPI:
 
     @app.get("/health")
     async def health(quick: bool = False) -> JSONResponse:
+        if svc.pending and svc.faults.fire("slow_health"):  # a probe stuck behind work in flight
+            await asyncio.sleep(svc.faults.delay)
         return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick)})
 
     return app

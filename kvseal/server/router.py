@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ import httpx
 import msgspec
 
 from kvseal.config import Protections
-from kvseal.engine.errors import EngineError, Overloaded
+from kvseal.engine.errors import EngineError, Overloaded, TooManyRequests
 from kvseal.engine.sequence import Event
 from kvseal.faults import Faults
 from kvseal.server.backend import GenRequest
@@ -41,6 +42,7 @@ class Worker:
     info: dict = field(default_factory=dict)
     inflight: int = 0
     misses: int = 0  # consecutive failed probes
+    last_ok: float = 0.0  # monotonic time of its last answer: evidence of life that a slow probe cannot erase
     mux: TokenMux | None = None  # decode workers: this router's token stream from it
 
     @property
@@ -65,6 +67,10 @@ def worker_error(status: int, a: dict) -> EngineError:
     return e
 
 
+class Unanswered(Overloaded):
+    """The worker never answered (refused, reset, or still busy at the timeout): what it did is unknown."""
+
+
 def _down(w: Worker) -> None:
     w.healthy = False
 
@@ -73,7 +79,8 @@ class DisaggBackend:
     FENCE_AFTER = 3
 
     def __init__(self, prefill: list[str], decode: list[str], model_name: str, timeout: float = 30.0,
-                 protections: Protections | None = None, faults: Faults | None = None) -> None:
+                 protections: Protections | None = None, faults: Faults | None = None, probe_timeout: float = 5.0,
+                 max_inflight: int = 256) -> None:
         self.prefills = [Worker(u.rstrip("/"), "prefill") for u in prefill]
         self.decodes = [Worker(u.rstrip("/"), "decode") for u in decode]
         self.model_name = model_name
@@ -85,7 +92,9 @@ class DisaggBackend:
         self.context_window = 0
         self.pool_tokens = 0
         self._tasks: set[asyncio.Task] = set()
-        self.probe_timeout = 5.0
+        self.probe_timeout = probe_timeout
+        self.busy_grace = max(3 * probe_timeout, 10.0)
+        self.max_inflight = max_inflight  # per worker: past it, new requests are shed with 429 at once
         self.subscriber = secrets.token_hex(8)  # names this router's token stream on every decode
         for d in self.decodes:
             d.mux = TokenMux(self.client, d.url, self.subscriber, timeout, on_dead=lambda d=d: _down(d))
@@ -99,12 +108,17 @@ class DisaggBackend:
             self.pool_tokens = min(w.info["pool_tokens"] for w in live)
 
     async def _probe(self, w: Worker) -> None:
-        """Skip a worker at its first missed probe; fence a prefill only after FENCE_AFTER misses in a row,
-        since fencing revokes every lease it is writing."""
+        """A busy worker is not a dead one. A refused connection is death; a probe that times out while the
+        worker answered real work within ``busy_grace`` seconds is a busy worker, left in service. Otherwise
+        skip it at its first miss, and fence a prefill only after FENCE_AFTER misses in a row, since fencing
+        revokes every lease it is writing."""
         try:
             r = await self.client.get(w.url + "/health", params={"quick": "true"}, timeout=self.probe_timeout)
             w.info, w.healthy, w.misses = r.json(), r.status_code == 200, 0
-        except (httpx.HTTPError, ValueError):
+            w.last_ok = time.monotonic()
+        except (httpx.HTTPError, ValueError) as e:
+            if isinstance(e, httpx.TimeoutException) and time.monotonic() - w.last_ok < self.busy_grace:
+                return
             w.healthy = False
             w.misses += 1
             if w.role == "prefill" and w.misses == self.FENCE_AFTER:
@@ -133,21 +147,27 @@ class DisaggBackend:
         live = [w for w in ws if w.healthy]
         if not live:
             raise Overloaded(f"no healthy {ws[0].role} worker")
-        return min(live, key=lambda w: w.score)
+        room = [w for w in live if w.inflight < self.max_inflight]
+        if not room:
+            raise TooManyRequests(f"every {ws[0].role} worker has {self.max_inflight} requests in flight")
+        return min(room, key=lambda w: w.score)
 
     # -- one request ------------------------------------------------------------------------------------
     async def _post(self, w: Worker, path: str, msg: object) -> bytes:
         try:
             r = await self.client.post(w.url + path, content=P.encode(msg))
         except httpx.HTTPError as e:
-            w.healthy = False
-            raise Overloaded(f"{w.role} worker {w.url} unreachable: {type(e).__name__}") from None
+            if not isinstance(e, httpx.ReadTimeout):  # a read timeout is a busy worker; the probe decides
+                w.healthy = False
+            raise Unanswered(f"{w.role} worker {w.url} unreachable: {type(e).__name__}") from None
+        w.last_ok = time.monotonic()
         if r.status_code != 200:
             raise remote_error(r.status_code, r.content)
         return r.content
 
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
         d, p = self._pick(self.decodes), self._pick(self.prefills)
+        p.inflight += 1
         sampling = {"temperature": req.params.temperature, "top_p": req.params.top_p, "top_k": req.params.top_k,
                     "seed": req.params.seed, "stop_token_ids": list(req.params.stop_token_ids),
                     "ignore_eos": req.params.ignore_eos}
@@ -168,12 +188,15 @@ class DisaggBackend:
                                    undo=lambda _ack: self._abort(d, req.rid, 0, writer_done=True),
                                    unguarded=lambda: self._abort(d, req.rid, lease.nonce, writer_done=True))
             committed = True
+            p.inflight -= 1
             yield Event(req.rid, (ack.first_token,))
             async for ev in self._events(events, req.rid):
                 finished = ev.finish_reason is not None
                 yield ev
         finally:
             d.inflight -= 1
+            if not committed:
+                p.inflight -= 1
             d.mux.unregister(req.rid)
             if committed and not finished:  # client left or stream broke: stop decode, free its pages.
                 # A task, not an await: this finally may run inside a cancelled scope.
@@ -217,9 +240,11 @@ class DisaggBackend:
         """Prefill's answer is final; on any failure, decode is told to drop the lease."""
         try:
             return P.decode(await self._post(p, "/prefill", msg), P.Ack)
-        except EngineError:
-            writer_done = p.healthy  # prefill answered: it wrote nothing more. Unreachable: fence decides.
-            await self._abort(d, msg.rid, msg.lease.nonce, writer_done)
+        except Unanswered:  # unreachable, or busy past the timeout: it may still write. Fence or TTL decides.
+            await self._abort(d, msg.rid, msg.lease.nonce, writer_done=False)
+            raise
+        except EngineError:  # prefill answered: it wrote nothing more
+            await self._abort(d, msg.rid, msg.lease.nonce, writer_done=True)
             raise
 
     async def _abort(self, d: Worker, rid: int, nonce: int, writer_done: bool) -> None:

@@ -1,0 +1,50 @@
+"""Overload without collapse: a busy worker is not mistaken for a dead one, and the router sheds what it
+cannot queue with 429 at once instead of timing requests out after the work was done."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from conftest import Trio, complete, wait_pages_back
+
+
+def test_a_worker_whose_probes_time_out_while_it_works_stays_in_service():
+    """Prefill's /health stalls 2 s whenever it has work in flight (a probe stuck behind a busy worker), and
+    the router's probe gives up after 0.5 s. The prefill keeps answering real work, so it stays in service:
+    every request is served. Without the progress evidence the first stalled probe took it out of service and
+    every later request was 503 'no healthy prefill worker'."""
+    env = {"KVSEAL_FAULTS": "slow_health", "KVSEAL_FAULT_DELAY": "2"}
+    with Trio(["--kv-pool-tokens", "8192"], router=["--probe-timeout", "0.5"], env=env) as t:
+        deadline = time.time() + 8
+
+        def loop(i: int) -> list[int]:
+            codes = []
+            while time.time() < deadline:
+                codes.append(complete(t.url, f"Count to {i + 3}:", n=24).status_code)
+            return codes
+
+        with ThreadPoolExecutor(3) as ex:
+            codes = [c for cs in ex.map(loop, range(3)) for c in cs]
+        assert len(codes) >= 6 and set(codes) == {200}, codes
+        assert t.router.health()["workers"][t.pre.url]
+        wait_pages_back(t.pre)
+        wait_pages_back(t.dec)
+
+
+def test_past_the_in_flight_bound_requests_are_shed_at_once():
+    with Trio(["--kv-pool-tokens", "8192"], router=["--max-inflight", "3"]) as t:
+        def one(i: int) -> tuple[int, float, str | None]:
+            t0 = time.time()
+            r = complete(t.url, f"Write a story about the number {i}.", n=96, ignore_eos=True)
+            return r.status_code, time.time() - t0, r.headers.get("retry-after")
+
+        with ThreadPoolExecutor(12) as ex:
+            out = list(ex.map(one, range(12)))
+        served = [o for o in out if o[0] == 200]
+        shed = [o for o in out if o[0] == 429]
+        assert len(served) + len(shed) == 12 and len(served) >= 3 and shed, out
+        assert all(o[1] < 2.0 and o[2] == "1" for o in shed), shed  # at once, with Retry-After
+        wait_pages_back(t.pre)
+        wait_pages_back(t.dec)
+        r = httpx.get(t.url + "/health", timeout=10)
+        assert r.status_code == 200
