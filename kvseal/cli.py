@@ -75,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
         w.add_argument("--host", default="127.0.0.1")
         w.add_argument("--port", type=int, required=True)
         w.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+        w.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
+        w.add_argument("--mooncake-devices", default="", metavar="NIC[,NIC]", help="RDMA devices, e.g. mlx5_0")
         if role == "decode":
             w.add_argument("--lease-ttl", type=float, default=120.0,
                            help="seconds before a never-committed lease is revoked and freed (0: never)")
@@ -118,8 +120,10 @@ def main(argv: list[str] | None = None) -> None:
         serve_disaggregated(a, worker_spec(a))
     elif a.cmd in ("prefill", "decode"):
         from kvseal.server.worker import serve_worker
+        from kvseal.transfer.mooncake import MooncakeConfig
 
-        serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport, getattr(a, "lease_ttl", 0.0))
+        serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport, getattr(a, "lease_ttl", 0.0),
+                     MooncakeConfig(a.mooncake_protocol, a.mooncake_devices))
     elif a.cmd == "router":
         from kvseal.server.worker import serve_router
 

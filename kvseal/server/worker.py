@@ -14,12 +14,13 @@ from kvseal.faults import Faults
 from kvseal.server.metrics import Metrics
 
 
-def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str, lease_ttl: float = 0.0) -> None:
+def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str, lease_ttl: float = 0.0,
+                 mooncake: object = None) -> None:
     metrics = Metrics()
     if role == "decode":
         from kvseal.server.decode import DecodeService, decode_app
 
-        pool = _decode_pool(transport, host, port)
+        pool = _decode_pool(transport, host, port, mooncake)
         engine, lm, sizing = build_engine(spec, role="decode", storage=pool.create, metrics=metrics)
         target = str(pool.path) if transport == "shm" else pool.target
         app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}",
@@ -28,7 +29,7 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         from kvseal.server.prefill import PrefillService, prefill_app
 
         engine, lm, sizing = build_engine(spec, role="prefill", metrics=metrics)
-        app = prefill_app(PrefillService(engine, _writer(transport, host), f"http://{host}:{port}", Faults.from_env()))
+        app = prefill_app(PrefillService(engine, _writer(transport, host, mooncake), f"http://{host}:{port}", Faults.from_env()))
     print(f"{role} worker on {host}:{port}\n{sizing.table()}", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -37,21 +38,21 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
             pool.close()
 
 
-def _decode_pool(transport: str, host: str, port: int) -> object:
+def _decode_pool(transport: str, host: str, port: int, mooncake: object) -> object:
     if transport == "mooncake":
         from kvseal.transfer.mooncake import MooncakePool
 
-        return MooncakePool(host)
+        return MooncakePool(host, mooncake)
     from kvseal.transfer.shm import ShmPool
 
     return ShmPool(f"kvseal-decode-{port}-{os.getpid()}")
 
 
-def _writer(transport: str, host: str) -> object:
+def _writer(transport: str, host: str, mooncake: object) -> object:
     if transport == "mooncake":
         from kvseal.transfer.mooncake import MooncakeWriter
 
-        return MooncakeWriter(host)
+        return MooncakeWriter(host, mooncake)
     from kvseal.transfer.shm import ShmWriter
 
     return ShmWriter()

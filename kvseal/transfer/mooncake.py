@@ -10,6 +10,8 @@ lease into one or a few large transfers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,22 +21,49 @@ from kvseal.transfer.runs import chunks
 PIECE = 1 << 20  # bench/transfer.py: 1 MiB pieces move 1.3-2x faster over loopback TCP than one whole run
 
 
-def _engine(host: str) -> object:
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """``protocol``: ``tcp`` or ``rdma``; ``devices``: RDMA NICs to use, comma-separated (``mlx5_0,mlx5_1``),
+    empty for Mooncake's own choice."""
+
+    protocol: str = "tcp"
+    devices: str = ""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake protocol must be tcp or rdma, not {self.protocol!r}")
+
+
+def rdma_devices(root: Path = Path("/sys/class/infiniband")) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def _engine(host: str, cfg: MooncakeConfig = MooncakeConfig()) -> object:
+    """A started TransferEngine. RDMA without a device on this host is refused here, by name, rather than
+    left to fail somewhere inside the first transfer."""
+    if cfg.protocol == "rdma":
+        found = rdma_devices()
+        wanted = [d for d in cfg.devices.split(",") if d]
+        missing = [d for d in wanted if d not in found]
+        if not found or missing:
+            raise RuntimeError(f"--mooncake-protocol rdma: no RDMA device {'named ' + ','.join(missing) if missing else ''}"
+                               f" on this host (found: {', '.join(found) or 'none in /sys/class/infiniband'}); "
+                               "use --mooncake-protocol tcp, or name a device with --mooncake-devices")
     from mooncake.engine import TransferEngine
 
     e = TransferEngine()
-    rc = e.initialize(host, "P2PHANDSHAKE", "tcp", "")
+    rc = e.initialize(host, "P2PHANDSHAKE", cfg.protocol, cfg.devices)
     if rc != 0:
-        raise RuntimeError(f"mooncake TransferEngine.initialize({host!r}) failed: {rc}")
+        raise RuntimeError(f"mooncake TransferEngine.initialize({host!r}, {cfg.protocol}) failed: {rc}")
     return e
 
 
 class MooncakePool:
     """Decode side: registers the pool and says where it is."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, cfg: MooncakeConfig = MooncakeConfig()) -> None:
         self.host = host
-        self.engine = _engine(host)
+        self.engine = _engine(host, cfg)
         self.kv: torch.Tensor | None = None
 
     def create(self, cfg: object, m: object, dtype: torch.dtype) -> torch.Tensor:
@@ -59,8 +88,8 @@ class MooncakeWriter:
 
     name = "mooncake"
 
-    def __init__(self, host: str) -> None:
-        self.engine = _engine(host)
+    def __init__(self, host: str, cfg: MooncakeConfig = MooncakeConfig()) -> None:
+        self.engine = _engine(host, cfg)
         self._registered: set[int] = set()
         self._scratch = torch.full((4096,), 3.0)
         self._register(self._scratch)
