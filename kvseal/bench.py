@@ -2,7 +2,9 @@
 
 Each stream sends one streaming /v1/completions request with a fixed-length token prompt and
 ``ignore_eos`` so every request produces exactly ``--output`` tokens. Reports TTFT and inter-token latency
-(p50/p99), aggregate output tokens/s, and the server's peak RSS (sampled by pid); writes JSON and a PNG.
+(p50/p99), aggregate output tokens/s, the server's peak RSS (sampled by pid), and, for a server that exposes
+kvseal's engine counters, where each step's time went (weight matmuls, attention, the rest of the forward,
+sampling, scheduling, core-lock wait, event hand-off, HTTP/streaming); writes JSON and a PNG.
 ``--hf-baseline`` runs transformers ``generate`` on the same model and batch sizes in the same run.
 """
 
@@ -164,11 +166,43 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+def engine_counters(url: str) -> dict[str, float]:
+    """The server's ``kvseal_engine_seconds_total{phase}`` and ``kvseal_engine_steps_total`` (empty for a server
+    that does not expose them: a router, another engine)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('kvseal_engine_seconds_total{phase="'):
+            out[line.split('"')[1]] = float(line.split()[-1])
+        elif line.startswith("kvseal_engine_steps_total "):
+            out["steps"] = float(line.split()[-1])
+    return out
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float], wall: float) -> dict | None:
+    """Milliseconds per engine step by phase over one level; ``http_streaming`` is the wall time per step the
+    engine did not account for (event loop, SSE, client), on a server where engine and HTTP share the cores."""
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    if not steps:
+        return None
+    ms = {k: (after[k] - before.get(k, 0.0)) / steps * 1e3 for k in after if k != "steps"}
+    ms["http_streaming"] = max(0.0, wall / steps * 1e3 - sum(ms.values()))
+    return {"steps": int(steps), "ms_per_step": ms}
+
+
 def run(a: argparse.Namespace) -> dict:
     streams = [int(s) for s in a.streams.split(",")]
     model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]
+    levels = []
     with RssSampler(a.server_pid) as rss:
-        levels = [asyncio.run(level(a.url, model, s, a.prompt, a.output, a.requests_per_stream)) for s in streams]
+        for s in streams:
+            before = engine_counters(a.url)
+            lv = asyncio.run(level(a.url, model, s, a.prompt, a.output, a.requests_per_stream))
+            lv["step_breakdown"] = step_breakdown(before, engine_counters(a.url), lv["wall_s"])
+            levels.append(lv)
     result = {"url": a.url, "model": model, "prompt": a.prompt, "output": a.output, "levels": levels,
               "server_peak_rss_mib": rss.peak / 2**20 if rss.peak else None}
     if a.hf_baseline:
@@ -180,4 +214,9 @@ def run(a: argparse.Namespace) -> dict:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
     print(json.dumps(result, indent=2))
+    for lv in levels:
+        b = lv["step_breakdown"]
+        if b:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(b["ms_per_step"].items(), key=lambda kv: -kv[1]))
+            print(f"{lv['streams']} streams, ms per step ({b['steps']} steps): {parts}")
     return result

@@ -111,8 +111,21 @@ def test_metrics_exposes_pool_and_latency(colocated, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
     text = httpx.get(colocated.url + "/metrics").text
     for name in ("kvseal_requests_total", "kvseal_time_to_first_token_seconds_bucket",
-                 "kvseal_inter_token_latency_seconds_bucket", 'kvseal_pool_pages{state="free"}'):
+                 "kvseal_inter_token_latency_seconds_bucket", 'kvseal_pool_pages{state="free"}',
+                 "kvseal_preemptions_total", "kvseal_engine_steps_total"):
         assert name in text
+
+
+def test_bench_breaks_a_step_down_by_phase(colocated, client):
+    from kvseal.bench import engine_counters, step_breakdown
+
+    before = engine_counters(colocated.url)
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=6)
+    b = step_breakdown(before, engine_counters(colocated.url), wall=1.0)
+    assert b["steps"] >= 6
+    ms = b["ms_per_step"]
+    assert {"linear", "attention", "forward_other", "sample", "schedule", "emit", "http_streaming"} <= set(ms)
+    assert ms["linear"] > ms["sample"] > 0 and ms["attention"] > 0
 
 
 def test_server_survived_and_pool_conserved(colocated):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -99,13 +100,17 @@ class Engine:
             self._drain(block=not self._ready())
             if self._stop:
                 break
+            self._step_times = None
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001 - a bug must fail requests, not hang them
                 for s in list(self.running) + list(self.waiting):
                     self._finish(s, "error", EngineError(f"engine step failed: {e!r}"), quarantine=True)
+            t0 = time.perf_counter()
             for fn in self.after_step:
                 fn()
+            if self._step_times is not None and self.metrics:
+                self._record(self._step_times, time.perf_counter() - t0)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -122,13 +127,18 @@ class Engine:
     def step(self) -> None:
         if not self._ready():
             return
+        t0 = time.perf_counter()
         batch = self._schedule()
         if not batch:
             return
         if self.step_hook:
             self.step_hook([s for s, _ in batch])
+        t1 = time.perf_counter()
         with self.core_lock:  # a CoreLock when the host's cores are shared with another engine
+            t2 = time.perf_counter()
             res = self.runner.step(batch)
+        t3 = time.perf_counter()
+        self._step_times = {"schedule": t1 - t0, "core_lock_wait": t2 - t1, "forward": t3 - t2}
         for s in res.failed:
             if self.metrics:
                 self.metrics.integrity_failures.inc()
@@ -142,7 +152,9 @@ class Engine:
             if s.num_cached == len(s.tokens):
                 done.append(row)
         seqs = [res.seqs[r] for r in done]
+        t0 = time.perf_counter()
         tokens = sample(res.logits[done], [s.params for s in seqs], [s.generator for s in seqs])
+        self._step_times["sample"] = time.perf_counter() - t0
         for s, tok in zip(seqs, tokens):
             self._advance(s, tok)
 
@@ -155,6 +167,17 @@ class Engine:
             return False
         head = self.waiting[0]
         return self.pool.can_allocate(self._pages_to_feed(head, self._chunk(head, self.cfg.step_token_budget)))
+
+    def _record(self, times: dict[str, float], emit: float) -> None:
+        """Where a step's time went, for ``/metrics`` (``kvseal bench`` prints it per step): weight matmuls and
+        attention inside the forward, the rest of the forward (norms, rope, page writes, tag check), sampling,
+        scheduling, waiting for the shared cores, and handing the step's events to the HTTP loop."""
+        linear, attention = self.model.last_times
+        times |= {"linear": linear, "attention": attention, "emit": emit,
+                  "forward_other": times.pop("forward") - linear - attention}
+        for phase, secs in times.items():
+            self.metrics.engine_seconds.labels(phase).inc(secs)
+        self.metrics.engine_steps.inc()
 
     # -- scheduling -------------------------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> None:

@@ -11,6 +11,7 @@ greedy tokens match transformers in the same dtype.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,7 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.use_weights("bf16")
+        self.last_times = (0.0, 0.0)
         # the in-place paged decode kernel when it was built (None: the plain PyTorch reference)
         self.decode_kernel = load_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
 
@@ -121,17 +123,34 @@ class LlamaModel:
         sin = self.sin[b.positions].unsqueeze(1)
         writes = write_rows(kv, b.write_slots)
         attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel)
+        clock, t_lin, t_att = time.perf_counter, 0.0, 0.0
         for i, (layer, lin) in enumerate(zip(self.w.layers, self.lin)):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
+            t0 = clock()
             qkv = lin.qkv(h)
+            t_lin += clock() - t0
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, heads + kvh, dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(n, kvh, dim)
             scatter_kv(kv, writes, i, 0, k)
             scatter_kv(kv, writes, i, 1, v)
-            x = x + lin.o(attend(i, q, k, v))
+            t0 = clock()
+            a = attend(i, q, k, v)
+            t1 = clock()
+            o = lin.o(a)
+            t2 = clock()
+            x = x + o
             h = rms_norm(x, layer.mlp_norm, cfg.rms_eps)
+            t3 = clock()
             gate, up = lin.gate_up(h).chunk(2, dim=-1)
-            x = x + lin.down(F.silu(gate) * up)
+            t4 = clock()
+            act = F.silu(gate) * up
+            t5 = clock()
+            x = x + lin.down(act)
+            t_att += t1 - t0
+            t_lin += (t2 - t1) + (t4 - t3) + (clock() - t5)
         last = x.index_select(0, b.logits_index)
-        return self.head(rms_norm(last, self.w.norm, cfg.rms_eps)).float()
+        t0 = clock()
+        logits = self.head(rms_norm(last, self.w.norm, cfg.rms_eps)).float()
+        self.last_times = (t_lin + clock() - t0, t_att)  # seconds in weight matmuls and in attention
+        return logits
