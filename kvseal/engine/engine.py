@@ -198,9 +198,11 @@ class Engine:
         preempts the newest running request not yet in this step (recompute: its pages are freed, it goes
         back to the head of the queue with its tokens); if none is left, it preempts itself. The oldest
         request can therefore always grow, and admission guaranteed it fits the pool alone. A new request is
-        admitted only if its chunk fits with a page to spare for every running request.
+        admitted only if its chunk fits with a page to spare for every running request, and never in a step
+        that had to preempt (the pool is short: taking a request back at once would only thrash).
         """
         budget = self.cfg.step_token_budget
+        preempted = self.preemptions
         batch: list[tuple[Sequence, int]] = []
         decoding = [s for s in self.running if len(s.tokens) - s.num_cached == 1]
         prefilling = [s for s in self.running if len(s.tokens) - s.num_cached > 1]
@@ -212,7 +214,8 @@ class Engine:
                 continue
             batch.append((s, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+        while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
+               and self.preemptions == preempted):
             s = self.waiting[0]
             n = self._chunk(s, budget)
             if not self.pool.can_allocate(self._pages_to_feed(s, n) + len(self.running)):
