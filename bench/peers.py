@@ -75,7 +75,11 @@ class Proc:
 def measure(url: str) -> dict:
     out = {}
     for streams, prompt, output in CASES:
-        r = asyncio.run(level(url, MODEL, streams, prompt, output, 1))
+        try:
+            r = asyncio.run(level(url, MODEL, streams, prompt, output, 1))
+        except RuntimeError as e:  # a failed request fails the case, recorded; the others still run
+            out[f"{streams}x{prompt}->{output}"] = {"error": str(e)[:300]}
+            continue
         if output == 1:
             r["prefill_tok_s"] = prompt / r["ttft_p50"]
         out[f"{streams}x{prompt}->{output}"] = r
@@ -84,7 +88,8 @@ def measure(url: str) -> dict:
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
     keys = ("output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "prefill_tok_s")
-    means = {name: {case: {k: float(np.mean([r[case][k] for r in rs])) for k in keys if k in rs[0][case]}
+    means = {name: {case: {k: float(np.mean([r[case][k] for r in rs if k in r[case]]))
+                           for k in keys if all(k in r[case] for r in rs)}
                     for case in rs[0]} for name, rs in runs.items() if rs}
     ratios = {}
     if "vllm" in means:
@@ -94,6 +99,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             ratios[name] = {}
             for case, m in cases.items():
                 v = means["vllm"][case]
+                if "output_tok_s" not in m or "output_tok_s" not in v:
+                    ratios[name][case] = None  # a failed run
+                    continue
                 ratios[name][case] = {"tok_s_ratio": m["output_tok_s"] / v["output_tok_s"],
                                       "itl_p99_ratio": m["itl_p99"] / v["itl_p99"] if v["itl_p99"] else None,
                                       "ttft_p50_ratio": m["ttft_p50"] / v["ttft_p50"]}
@@ -113,7 +121,7 @@ def plot(summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(means)
     for i, (name, m) in enumerate(means.items()):
-        ax.bar(np.arange(len(cases)) + i * width, [m[c]["output_tok_s"] for c in cases], width, label=name)
+        ax.bar(np.arange(len(cases)) + i * width, [m[c].get("output_tok_s", 0) for c in cases], width, label=name)
     ax.set_xticks(np.arange(len(cases)) + width * (len(means) - 1) / 2, cases)
     ax.set(ylabel="output tokens/s", title="kvseal vs vLLM-CPU, same client, same machine")
     ax.legend()
@@ -148,7 +156,8 @@ def main() -> None:
                 runs[name].append(measure(p.url))
             finally:
                 p.stop()
-            print(name, json.dumps({c: round(r["output_tok_s"], 1) for c, r in runs[name][-1].items()}), flush=True)
+            print(name, json.dumps({c: round(r.get("output_tok_s", -1), 1) for c, r in runs[name][-1].items()}),
+                  flush=True)
     result = {"cases": CASES, "reps": a.reps, "runs": runs, **summarize(runs)}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))

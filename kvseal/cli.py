@@ -90,6 +90,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker is failed")
     r.add_argument("--probe-timeout", type=float, default=5.0,
                    help="health-probe timeout; a worker that answered real work recently stays in service")
+    r.add_argument("--queue-timeout", type=float, default=120.0,
+                   help="seconds a request may wait for prefill (queue included) before it fails with 503")
     r.add_argument("--max-inflight", type=int, default=256,
                    help="requests in flight per worker; past it new requests are answered 429 at once")
     for name, flag in UNSAFE_FLAGS.items():

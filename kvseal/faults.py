@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import random
 
-PREFILL_POINTS = ("legacy_placeholder", "crash_before_write", "delay_page_write", "skip_page_write",
+PREFILL_POINTS = ("legacy_placeholder", "delay_prefill_admit", "crash_before_write", "delay_page_write", "skip_page_write",
                   "corrupt_page_write", "crash_after_write", "reorder_commit", "corrupt_commit", "delay_commit",
                   "drop_commit", "duplicate_commit", "crash_after_commit")
 DECODE_POINTS = ("delay_reserve", "crash_at_reserve", "crash_at_commit")

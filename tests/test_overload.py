@@ -48,3 +48,18 @@ def test_past_the_in_flight_bound_requests_are_shed_at_once():
         wait_pages_back(t.dec)
         r = httpx.get(t.url + "/health", timeout=10)
         assert r.status_code == 200
+
+
+def test_a_transfer_the_router_gave_up_on_is_stopped_on_prefill_and_freed_on_decode():
+    """Prefill holds the request 4 s before its engine sees it; the router gives up after 2 s (503). It asks
+    prefill to forget the lease: prefill confirms nothing was written and never computes it, so decode frees
+    the lease at once, not after prefill would have written and committed (≥ 4 s)."""
+    env = {"KVSEAL_FAULTS": "delay_prefill_admit", "KVSEAL_FAULT_DELAY": "4"}
+    with Trio(["--kv-pool-tokens", "8192"], router=["--timeout", "2", "--queue-timeout", "2"], env=env) as t:
+        t0 = time.time()
+        r = complete(t.url, "Write a story about a lighthouse.", n=16)
+        assert r.status_code == 503 and time.time() - t0 < 3.5
+        wait_pages_back(t.dec, timeout=3.9 - (time.time() - t0))  # before prefill's delay could end
+        time.sleep(4.5 - (time.time() - t0))
+        pre = t.pre.health()
+        assert pre["running"] == pre["waiting"] == 0 and pre["free_pages"] == pre["total_pages"]

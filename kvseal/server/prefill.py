@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from kvseal.engine.engine import Engine
 from kvseal.engine.errors import ContextLengthError, EngineError
 from kvseal.engine.sampling import SamplingParams
-from kvseal.engine.sequence import Event, Sequence
+from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.faults import Faults
 from kvseal.server.backend import pool_health
 from kvseal.server.decode import ack_error
@@ -45,7 +45,7 @@ class PrefillService:
         engine.handoff = self.handoff
 
     async def prefill(self, p: P.Prefill) -> P.Ack:
-        if p.lease.nonce in self.forgotten:  # checked and registered in ``pending`` with no await between
+        if p.lease.nonce in self.forgotten:
             raise LeaseExpired(f"request {p.rid}: its lease expired on decode before prefill began")
         self.loop = asyncio.get_running_loop()
         cfg = self.engine.cfg
@@ -58,18 +58,40 @@ class PrefillService:
         done: asyncio.Future = self.loop.create_future()
         self.pending[p.rid] = (p, done)
         seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid), lease=p.lease)
+
+        def admit() -> None:  # engine thread: a lease forgotten meanwhile never reaches the engine
+            if p.lease.nonce in self.forgotten:
+                raise LeaseExpired(f"request {p.rid}: its lease was withdrawn before prefill began")
+            self.engine._admit(seq)  # admission: raises before any allocation
+
         try:
-            await asyncio.wrap_future(self.engine.submit(seq))  # admission: raises before any allocation
+            if self.faults.fire("delay_prefill_admit"):
+                await asyncio.sleep(self.faults.delay)
+            await asyncio.wrap_future(self.engine.call(admit))
             return await done
         finally:
             self.pending.pop(p.rid, None)
 
-    def forget(self, f: P.Forget) -> dict:
-        """Decode expired this lease. In flight: the commit will be refused and WriterDone follows. Not yet
-        here (or long done): refuse it for good, so decode may free the pages now."""
-        if f.rid in self.pending:
+    async def forget(self, f: P.Forget) -> dict:
+        """Stop, or never start, writing into this lease: decode expired it, or the router gave up on it.
+        Nothing written yet (not here, queued, or prefilling): it is stopped and refused for good, so the pages
+        may be freed now. Already writing or committing: the commit will be refused and WriterDone follows."""
+        self.forgotten.add(f.nonce)  # first: an admission racing with this call sees it on the engine thread
+        entry = self.pending.get(f.rid)
+        if entry is None or entry[0].lease.nonce != f.nonce:
+            return {"writing": False}
+
+        def stop() -> bool:  # engine thread, between steps: a request is either handed off or not yet written
+            s = self.engine.seqs.get(f.rid)
+            if s is not None and s.phase is Phase.TRANSFER:
+                return False
+            if s is not None:
+                self.engine._finish(s, "abort")
+            return True
+
+        if not await asyncio.wrap_future(self.engine.call(stop)):
             return {"writing": True}
-        self.forgotten.add(f.nonce)
+        self._settle(f.rid, LeaseExpired(f"request {f.rid}: its lease was withdrawn before prefill wrote it"))
         return {"writing": False}
 
     def _sink(self, rid: int):
@@ -176,7 +198,7 @@ def prefill_app(svc: PrefillService) -> FastAPI:
 
     @app.post("/kv/forget")
     async def forget(request: Request) -> JSONResponse:
-        return JSONResponse(svc.forget(P.decode(await request.body(), P.Forget)))
+        return JSONResponse(await svc.forget(P.decode(await request.body(), P.Forget)))
 
     @app.get("/health")
     async def health(quick: bool = False) -> JSONResponse:

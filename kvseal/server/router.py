@@ -80,7 +80,7 @@ class DisaggBackend:
 
     def __init__(self, prefill: list[str], decode: list[str], model_name: str, timeout: float = 30.0,
                  protections: Protections | None = None, faults: Faults | None = None, probe_timeout: float = 5.0,
-                 max_inflight: int = 256) -> None:
+                 max_inflight: int = 256, queue_timeout: float = 120.0) -> None:
         self.prefills = [Worker(u.rstrip("/"), "prefill") for u in prefill]
         self.decodes = [Worker(u.rstrip("/"), "decode") for u in decode]
         self.model_name = model_name
@@ -95,6 +95,7 @@ class DisaggBackend:
         self.probe_timeout = probe_timeout
         self.busy_grace = max(3 * probe_timeout, 10.0)
         self.max_inflight = max_inflight  # per worker: past it, new requests are shed with 429 at once
+        self.queue_timeout = max(queue_timeout, timeout)  # a transfer's wait for prefill, queue included
         self.subscriber = secrets.token_hex(8)  # names this router's token stream on every decode
         for d in self.decodes:
             d.mux = TokenMux(self.client, d.url, self.subscriber, timeout, on_dead=lambda d=d: _down(d))
@@ -153,9 +154,10 @@ class DisaggBackend:
         return min(room, key=lambda w: w.score)
 
     # -- one request ------------------------------------------------------------------------------------
-    async def _post(self, w: Worker, path: str, msg: object) -> bytes:
+    async def _post(self, w: Worker, path: str, msg: object, timeout: float | None = None) -> bytes:
         try:
-            r = await self.client.post(w.url + path, content=P.encode(msg))
+            kw = {"timeout": httpx.Timeout(timeout, connect=2.0)} if timeout else {}
+            r = await self.client.post(w.url + path, content=P.encode(msg), **kw)
         except httpx.HTTPError as e:
             if not isinstance(e, httpx.ReadTimeout):  # a read timeout is a busy worker; the probe decides
                 w.healthy = False
@@ -239,13 +241,26 @@ class DisaggBackend:
     async def _transfer(self, p: Worker, d: Worker, msg: P.Prefill) -> P.Ack:
         """Prefill's answer is final; on any failure, decode is told to drop the lease."""
         try:
-            return P.decode(await self._post(p, "/prefill", msg), P.Ack)
-        except Unanswered:  # unreachable, or busy past the timeout: it may still write. Fence or TTL decides.
-            await self._abort(d, msg.rid, msg.lease.nonce, writer_done=False)
+            # queued behind other prompts on a live prefill is not a failure: wait up to the queue timeout
+            return P.decode(await self._post(p, "/prefill", msg, timeout=self.queue_timeout), P.Ack)
+        except Unanswered:  # unreachable, or busy past the timeout: ask it to drop the lease. If it confirms it
+            # never wrote, decode may free the pages now; otherwise fencing or the TTL decides.
+            stopped = await self._forget(p, msg.rid, msg.lease.nonce)
+            await self._abort(d, msg.rid, msg.lease.nonce, writer_done=stopped)
             raise
         except EngineError:  # prefill answered: it wrote nothing more
             await self._abort(d, msg.rid, msg.lease.nonce, writer_done=True)
             raise
+
+    async def _forget(self, p: Worker, rid: int, nonce: int) -> bool:
+        """The router gave up on a transfer: prefill stops the request if it has not written yet. True only if
+        prefill confirms it will never write into the lease."""
+        try:
+            r = await self.client.post(p.url + "/kv/forget", content=P.encode(P.Forget(rid=rid, nonce=nonce)),
+                                       timeout=self.probe_timeout)
+            return r.status_code == 200 and r.json().get("writing") is False
+        except (httpx.HTTPError, ValueError):
+            return False
 
     async def _abort(self, d: Worker, rid: int, nonce: int, writer_done: bool) -> None:
         try:

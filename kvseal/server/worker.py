@@ -71,7 +71,8 @@ def serve_router(a: argparse.Namespace) -> None:
     from kvseal.cli import protections
 
     backend = DisaggBackend(a.prefill, a.decode, name, timeout=a.timeout, protections=protections(a),
-                            faults=Faults.from_env(), probe_timeout=a.probe_timeout, max_inflight=a.max_inflight)
+                            faults=Faults.from_env(), probe_timeout=a.probe_timeout, max_inflight=a.max_inflight,
+                            queue_timeout=a.queue_timeout)
     metrics = Metrics()
     app = create_app(backend, load_tokenizer(path), metrics, Tenants.parse(a.api_key))
 

@@ -102,7 +102,8 @@ class WriterDone(Msg):
 
 
 class Forget(Msg):
-    """decode → prefill, for a lease that outlived its TTL: stop or never start writing into it."""
+    """decode → prefill (a lease that outlived its TTL) or router → prefill (a transfer it gave up on): stop,
+    or never start, writing into it. The answer ``{"writing": false}`` promises no byte will land."""
 
     rid: int
     nonce: int
