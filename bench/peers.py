@@ -8,7 +8,7 @@ kvseal disaggregated, vLLM), runs every case against it, and stops it, so the or
 competes with another for the two cores. Writes bench/out/peers.json (every run, means, kvseal/vLLM ratios)
 and a plot. vLLM comes from its own virtualenv (``--vllm-venv``; it is never a dependency of kvseal); without
 one the script says so and measures kvseal alone. ``--hf-dir``: the model as a Hugging Face directory, which
-vLLM needs (``python -c 'from kvseal.bench import hf_model; ...'`` writes one, see the README).
+vLLM needs; if the directory does not exist it is written from the GGUF first (same dequantized weights).
 Not part of CI.
 """
 
@@ -70,6 +70,19 @@ class Proc:
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(self.p.pid, signal.SIGKILL)
         time.sleep(2)
+
+
+def write_hf_dir(path: Path) -> None:
+    """The default model as a plain bf16 Hugging Face directory: the weights kvseal serves, for vLLM."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvseal.bench import hf_model
+    from kvseal.model.loader import default_model_path
+
+    gguf = default_model_path()
+    hf_model(torch.bfloat16).save_pretrained(str(path))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(path))
 
 
 def measure(url: str) -> dict:
@@ -140,6 +153,8 @@ def main() -> None:
     a = ap.parse_args()
     servers = {f"kvseal_{m}": (kvseal_cmd(m, 8600), {}, 8600) for m in a.kvseal_modes.split(",")}
     if a.vllm_venv and (a.vllm_venv / "bin/python").exists() and a.hf_dir:
+        if not Path(a.hf_dir).exists():
+            write_hf_dir(Path(a.hf_dir))
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
         servers["vllm"] = (vllm_cmd(a.vllm_venv, a.hf_dir, 8601, a.vllm_args.split()), env, 8601)
     else:
