@@ -67,7 +67,7 @@ async def level(url: str, model: str, streams: int, n_prompt: int, n_out: int, p
         res = [r for rs in await asyncio.gather(*[worker() for _ in range(streams)]) for r in rs]
         wall = time.perf_counter() - t0
     ttft = [r["ttft"] for r in res]
-    itl = [x for r in res for x in r["itl"]]
+    itl = [x for r in res for x in r["itl"]] or [0.0]  # one-token answers have no gaps
     return {"streams": streams, "requests": len(res), "output_tok_s": sum(r["n"] for r in res) / wall,
             "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
             "itl_p50": float(np.percentile(itl, 50)), "itl_p99": float(np.percentile(itl, 99)), "wall_s": wall}
