@@ -2,10 +2,10 @@
 
 A lease reserves the prompt's pages (waiting, boundedly, while the pool has none to spare); the engine
 grows them as the request decodes. Leases live here, keyed by request id. A commit is accepted only if: the
-lease exists with that nonce (not revoked), it covers exactly the reserved prompt (coverage: token count and page list), the pages are
-still RESERVED for this request with the leased generations (tags), and the xxh3-128 checksum over the bytes
-now in this pool and the metadata matches (checksum). Only then do the pages become OWNED and the request
-join the decode batch. Anything else quarantines the pages and fails the request.
+lease exists with that nonce (not revoked), it covers exactly the reserved prompt (coverage: token count and
+page list), the pages are still RESERVED for this request with the leased generations (tags), and the
+xxh3-128 checksum over the bytes now in this pool and the metadata matches (checksum). Only then do the pages
+become OWNED and the request join the decode batch. Anything else quarantines the pages and fails the request.
 
 An aborted lease keeps its pages QUARANTINED until the writer says it stopped (``WriterDone``) or is fenced.
 A lease never committed within ``lease_ttl`` (its router died after reserving) is aborted the same way, and
