@@ -136,6 +136,7 @@ class Engine:
         t1 = time.perf_counter()
         with self.core_lock:  # a CoreLock when the host's cores are shared with another engine
             t2 = time.perf_counter()
+            self.model.last_times = (0.0, 0.0)  # a step that fails its whole tag check runs no forward
             res = self.runner.step(batch)
         t3 = time.perf_counter()
         self._step_times = {"schedule": t1 - t0, "core_lock_wait": t2 - t1, "forward": t3 - t2}
