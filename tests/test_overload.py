@@ -63,3 +63,19 @@ def test_a_transfer_the_router_gave_up_on_is_stopped_on_prefill_and_freed_on_dec
         time.sleep(4.5 - (time.time() - t0))
         pre = t.pre.health()
         assert pre["running"] == pre["waiting"] == 0 and pre["free_pages"] == pre["total_pages"]
+
+
+def test_a_transfer_given_up_while_prefill_is_committing_keeps_its_lease_until_the_writer_is_done():
+    """Prefill has written and holds its commit 4 s; the router gives up after 2 s. Prefill cannot promise it
+    is done (it is mid-transfer), so decode keeps the lease quarantined instead of freeing pages a writer still
+    targets; the late commit is refused, WriterDone follows and the pages come back. Telling decode the writer
+    was done on a timeout (what the router did while a busy prefill still looked healthy) frees them at once."""
+    env = {"KVSEAL_FAULTS": "delay_commit", "KVSEAL_FAULT_DELAY": "4"}
+    with Trio(["--kv-pool-tokens", "8192"], router=["--timeout", "2", "--queue-timeout", "2"], env=env) as t:
+        t0 = time.time()
+        r = complete(t.url, "Write a story about a lighthouse.", n=16)
+        assert r.status_code == 503
+        h = t.dec.health()
+        assert time.time() - t0 < 3.8 and h["free_pages"] < h["total_pages"], h
+        wait_pages_back(t.dec, timeout=15)
+        wait_pages_back(t.pre)
