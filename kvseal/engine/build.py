@@ -15,6 +15,7 @@ import torch
 
 from kvseal.config import EngineConfig, PoolConfig, Protections
 from kvseal.engine.engine import Engine
+from kvseal.engine.grammar import Grammars
 from kvseal.kv.pool import PagePool
 from kvseal.kv.preflight import Sizing, pool_tokens_for, preflight
 from kvseal.model.loader import LoadedModel, load
@@ -73,6 +74,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
                        step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, protections=spec.protections)
     engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics)
+    engine.grammars = Grammars(lm.tokenizer, m.vocab_size)
     if spec.share_cores:
         from kvseal.engine.cores import CoreLock
 

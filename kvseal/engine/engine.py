@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from kvseal.config import EngineConfig
-from kvseal.engine.errors import ContextLengthError, EngineError, KVIntegrityError
+from kvseal.engine.errors import BadRequest, ContextLengthError, EngineError, KVIntegrityError
+from kvseal.engine.grammar import Grammars
 from kvseal.engine.runner import Runner
 from kvseal.engine.sampling import sample
 from kvseal.engine.sequence import Event, Phase, Sequence
@@ -49,6 +50,9 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}
         self.quarantined: dict[int, PageRun] = {}  # rid → pages a writer may still target
         self.preemptions = 0
+        self.forks: dict[int, list[Sequence]] = {}  # leader rid → choices parked until its prompt is cached
+        self.shared_tokens = 0
+        self.grammars: Grammars | None = None  # set by build_engine: structured output needs the tokenizer
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = False
         self.step_hook: Callable[[list[Sequence]], None] | None = None  # faults and tests only
@@ -154,9 +158,12 @@ class Engine:
                 done.append(row)
         seqs = [res.seqs[r] for r in done]
         t0 = time.perf_counter()
-        tokens = sample(res.logits[done], [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(res.logits[done], seqs)
         self._step_times["sample"] = time.perf_counter() - t0
-        for s, tok in zip(seqs, tokens):
+        for row, s, (tok, lp) in zip(done, seqs, tokens):
+            s.logprob = lp
+            if s.rid in self.forks:
+                self._fork(s, res.logits[row])
             self._advance(s, tok)
 
     def _ready(self) -> bool:
@@ -185,7 +192,16 @@ class Engine:
         if self.cfg.protections.admission and seq.budget_tokens > self.cfg.admit_limit:
             raise ContextLengthError(len(seq.prompt), seq.params.max_tokens, self.cfg.context_window,
                                      self.pool.cfg.capacity_tokens)
+        if seq.params.grammar is not None:
+            if self.grammars is None:
+                raise BadRequest("response_format is not available on this engine", param="response_format")
+            seq.matcher = self.grammars.matcher(seq.params.grammar, replay=seq.tokens[len(seq.prompt):])
         self.seqs[seq.rid] = seq
+        if seq.group == seq.rid:
+            self.forks[seq.rid] = []
+        elif seq.group in self.forks:  # a later choice of a request: waits to share its leader's prompt pages
+            self.forks[seq.group].append(seq)
+            return
         if seq.phase is Phase.RUNNING:  # decode role: the prompt's KV already verified in the pool
             self.running.append(seq)
         else:
@@ -264,17 +280,49 @@ class Engine:
         if self.metrics:
             self.metrics.preemptions.inc()
 
+    def _fork(self, leader: Sequence, logits: torch.Tensor) -> None:
+        """The leader of a request's choices has its prompt cached and its logits in hand. Each parked choice
+        with the same prompt gets the prompt's full pages as SHARED pages (read-only, a reference each) and a
+        private copy of the last, partial one, then draws its own first token from the same logits: no prompt
+        token is computed twice. A choice that cannot have its page now queues to compute its prompt itself."""
+        ps, n = self.pool.cfg.page_size, len(leader.prompt)
+        full, partial = divmod(n, ps)
+        parked = self.forks.pop(leader.rid)
+        same = [f for f in parked if f.prompt == leader.prompt]
+        if not self.pool.can_allocate(len(same) * bool(partial)):
+            same = []
+        self.waiting.extendleft(reversed([f for f in parked if f not in same]))
+        if not same:
+            return
+        if full:
+            self.pool.share(leader.run.pages[:full], leader.rid, 1 + len(same))
+        for f in same:
+            f.run = PageRun(leader.run.pages[:full], leader.run.generations[:full])
+            if partial:
+                own = self.pool.allocate(f.rid, 1)
+                self.pool.kv[own.pages[0]] = self.pool.kv[leader.run.pages[full]]
+                f.run = PageRun(f.run.pages + own.pages, f.run.generations + own.generations)
+            f.num_cached, f.phase = n, Phase.RUNNING
+            self.running.append(f)
+        self.shared_tokens += n * len(same)
+        if self.metrics:
+            self.metrics.shared_tokens.inc(n * len(same))
+        for f, (tok, lp) in zip(same, sample(logits.expand(len(same), -1), same)):
+            f.logprob = lp
+            self._advance(f, tok)
+
     def _advance(self, s: Sequence, token: int) -> None:
         first = s.num_output == 0
         s.tokens.append(token)
+        ev = Event(s.rid, (token,), logprobs=(s.logprob,) if s.logprob else ())
         if first and self.role == "prefill":
             self.running.remove(s)
             s.phase = Phase.TRANSFER
-            s.sink(Event(s.rid, (token,)))
+            s.sink(ev)
             self.handoff(s)
             return
         reason = s.finish_reason(token)
-        s.sink(Event(s.rid, (token,)))
+        s.sink(ev)
         if reason:
             self._finish(s, reason)
 
@@ -299,12 +347,14 @@ class Engine:
             self.running.remove(s)
         elif s in self.waiting:
             self.waiting.remove(s)
+        elif s in self.forks.get(s.group, ()):
+            self.forks[s.group].remove(s)
+        self.waiting.extend(self.forks.pop(s.rid, ()))  # a leader that ended before its prompt was cached
         s.phase = Phase.DONE
         self.seqs.pop(s.rid, None)
         try:
             if s.run is not None and quarantine:
-                self.pool.quarantine(s.run)
-                self.quarantined[s.rid] = s.run
+                self.quarantined[s.rid] = self.pool.quarantine(s.run)
             elif s.run is not None:
                 self.pool.free(s.run)
         except RuntimeError as e:  # a double free is a bug; the request must still end, with an error

@@ -18,6 +18,8 @@ from kvseal.kv.pool import PagePool
 from kvseal.model.attention import DecodeRows, Span
 from kvseal.model.llama import ForwardBatch, LlamaModel
 
+NO_GROUP = -2  # never a page owner (-1 is FREE's)
+
 
 @dataclass
 class StepResult:
@@ -45,7 +47,8 @@ class Runner:
             gens[i, :n] = torch.tensor(s.run.generations)
             valid[i, :n] = True
         owners = torch.tensor([s.rid for s in seqs], dtype=torch.int64)
-        return self.pool.check_tables(table, gens, owners, valid).tolist()
+        groups = torch.tensor([NO_GROUP if s.group is None else s.group for s in seqs], dtype=torch.int64)
+        return self.pool.check_tables(table, gens, owners, valid, groups).tolist()
 
     def step(self, batch: list[tuple[Sequence, int]]) -> StepResult:
         """Run ``(sequence, tokens to feed)`` pairs as one forward; single-token rows go first."""

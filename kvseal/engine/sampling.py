@@ -1,13 +1,29 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Sampling: logits processors, then greedy or seeded random draws, with logprobs on request.
 
-A batch where every request is greedy takes one ``argmax``; otherwise each sampled row draws from its own
-``torch.Generator`` so a request with a seed reproduces regardless of what it was batched with.
+A batch where every request is plain greedy takes one ``argmax``. A row that asks for more is processed on
+its own, in vLLM's order:
+
+1. ``logit_bias`` added to its tokens (OpenAI: -100..100, applied to the raw logits);
+2. ``min_tokens``: EOS and ``stop_token_ids`` banned until that many tokens were generated;
+3. ``repetition_penalty`` r over prompt and output tokens: a positive logit is divided by r, a negative one
+   multiplied (CTRL, as vLLM and Hugging Face do);
+4. ``frequency_penalty`` f and ``presence_penalty`` p over output tokens: ``logit -= f * count + p * (count > 0)``
+   (OpenAI's formula);
+5. a grammar (``response_format``) masks every token it cannot accept;
+6. ``temperature``, then ``top_k``, ``top_p`` and ``min_p`` truncate, and the row draws from its own
+   ``torch.Generator``, so a seeded request reproduces whatever it was batched with.
+
+Logprobs are the log-softmax of the row after steps 1–5 and temperature (the distribution the token is drawn
+from, before truncation; at temperature 0, of the processed logits): the chosen token's and the top ``k``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
+import msgspec
 import torch
 
 
@@ -17,50 +33,152 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
+    grammar: str | None = None  # an llguidance grammar, compiled from response_format at the front door
 
     def __post_init__(self) -> None:
+        set_ = object.__setattr__  # the wire form carries lists; the frozen form holds tuples
+        set_(self, "stop", tuple(self.stop))
+        set_(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        set_(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p <= 1:
+            raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1")
+        if self.repetition_penalty <= 0 or self.min_tokens < 0 or (self.logprobs or 0) < 0:
+            raise ValueError("repetition_penalty > 0, min_tokens >= 0, logprobs >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def processed(self) -> bool:
+        """Does any processor change this request's logits?"""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1 or self.grammar
+                    or self.presence_penalty or self.frequency_penalty)
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+    @property
+    def plain(self) -> bool:
+        return self.greedy and not self.processed and self.logprobs is None
+
+    def to_wire(self) -> dict:
+        """Everything but ``max_tokens``, as JSON-ready values: what travels to prefill and decode workers."""
+        d = dataclasses.asdict(self)
+        del d["max_tokens"]
+        return d
+
+
+class Logprob(msgspec.Struct, array_like=True, frozen=True):
+    """One generated token's logprob and the ``top`` alternatives, most likely first: ``[(token, logprob)]``."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class Row(Protocol):
+    """What sampling reads of a sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt: list[int]
+    tokens: list[int]
+    eos_ids: frozenset[int]
+    matcher: object | None  # an llguidance LLMatcher, fed every sampled token
+
+    @property
+    def num_output(self) -> int: ...
+
+
+def make_generator(params: SamplingParams, offset: int = 0) -> torch.Generator | None:
     if params.greedy:
         return None
     g = torch.Generator()
     if params.seed is None:
         g.seed()
     else:
-        g.manual_seed(params.seed)
+        g.manual_seed(params.seed + offset)
     return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> list[int]:
-    """logits [B, V] fp32 → one token id per row."""
+def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | None]]:
+    """logits [B, V] → one ``(token id, logprob or None)`` per row; a grammar row's matcher takes its token."""
     out = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = _sample_row(logits[i], p, gens[i])
-    return out
+    res: list[tuple[int, Logprob | None]] = []
+    for i, r in enumerate(rows):
+        if r.params.plain:
+            res.append((out[i], None))
+            continue
+        res.append(_sample_row(logits[i].float(), r))
+    return res
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    row = row / p.temperature
+def _sample_row(row: torch.Tensor, r: Row) -> tuple[int, Logprob | None]:
+    p = r.params
+    if p.processed:
+        row = process(row.clone(), r)
+    if p.temperature > 0:
+        row = row / p.temperature
+    tok = int(row.argmax()) if p.greedy else _draw(row, p, r.generator)
+    if r.matcher is not None:
+        r.matcher.consume_token(tok)
+    return tok, (logprob(row, tok, p.logprobs) if p.logprobs is not None else None)
+
+
+def process(row: torch.Tensor, r: Row) -> torch.Tensor:
+    """Steps 1–5 of the module docstring, in place on a copy of one row of logits [V]."""
+    p = r.params
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        row[torch.tensor(ids)] += torch.tensor(bias)
+    if r.num_output < p.min_tokens:
+        ban = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_ids))
+        if ban:
+            row[torch.tensor(sorted(ban))] = float("-inf")
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(r.tokens).unique()
+        v = row[seen]
+        row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        counts = torch.bincount(torch.tensor(r.tokens[len(r.prompt):], dtype=torch.int64),
+                                minlength=row.numel())[: row.numel()].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if r.matcher is not None:
+        from kvseal.engine.grammar import mask_row
+
+        mask_row(r.matcher, row)
+    return row
+
+
+def logprob(row: torch.Tensor, tok: int, k: int) -> Logprob:
+    lp = torch.log_softmax(row, dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        v, i = lp.topk(k)
+        top = list(zip(i.tolist(), v.tolist()))
+    return Logprob(tok, float(lp[tok]), top)
+
+
+def _draw(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     if p.top_k:
         kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
+    if p.min_p:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # always keeps the top token
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()  # always keeps the top token
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs, 1, generator=gen).item())

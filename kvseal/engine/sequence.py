@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvseal.engine.sampling import SamplingParams, make_generator
+from kvseal.engine.sampling import Logprob, SamplingParams, make_generator
 from kvseal.kv.pool import PageRun
 
 
@@ -33,6 +33,7 @@ class Event:
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: Exception | None = None
+    logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked for logprobs
 
 
 @dataclass(eq=False)
@@ -49,6 +50,9 @@ class Sequence:
     arrived: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
     lease: object | None = None  # prefill role: where the KV goes
+    group: int | None = None  # the choices of one request (n > 1) share their prompt's pages; the leader's rid
+    matcher: object | None = None  # response_format's grammar state (kvseal.engine.grammar)
+    logprob: Logprob | None = None  # the last sampled token's, when asked for
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -10,8 +10,13 @@ Every page carries a tag ``(owner, generation, state)``. Freeing bumps the gener
 whole batch's page tables with the tags in one vectorized operation before every forward pass that reads the
 pool. Freed pages are not zeroed (unless ``scrub_on_free``): safety comes from ownership, not from luck.
 
-Invariants (``check_integrity``): free + reserved + owned + quarantined == total; a FREE page has no owner and
-sits in the free list exactly once; a non-FREE page has exactly one owner.
+A SHARED page is read-only and reference counted: its owner is a *group* (the choices of one request, which
+share their prompt's pages), every holder's table names it, and only the last holder's free returns it
+(bumping its generation). The read-side check accepts a SHARED page only for a request of that group.
+
+Invariants (``check_integrity``): free + reserved + owned + quarantined + shared == total; a FREE page has no
+owner and sits in the free list exactly once; a non-FREE page has exactly one owner; a page has references
+if and only if it is SHARED.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class PageState(IntEnum):
     RESERVED = 1  # leased to a remote writer, awaiting commit
     OWNED = 2  # verified, readable by its owner
     QUARANTINED = 3  # released, but a remote writer may still target it
+    SHARED = 4  # read-only, reference counted, readable by its group (the owner field holds the group)
 
 
 class PoolExhausted(RuntimeError):
@@ -63,6 +69,7 @@ class PagePool:
         self.owner = torch.full((n,), -1, dtype=torch.int64)
         self.generation = torch.zeros(n, dtype=torch.int64)
         self.state = torch.zeros(n, dtype=torch.int8)
+        self.refs = torch.zeros(n, dtype=torch.int32)  # holders of a SHARED page
         self._free: deque[int] = deque(range(n))
         self.integrity_failures = 0
 
@@ -86,11 +93,41 @@ class PagePool:
     def set_state(self, run: PageRun, state: PageState) -> None:
         self.state[torch.tensor(run.pages, dtype=torch.int64)] = int(state)
 
-    def quarantine(self, run: PageRun) -> None:
-        """Take pages out of every page table (tags say so) without returning them to the free list."""
+    def share(self, pages: tuple[int, ...], group: int, holders: int) -> None:
+        """Make ``pages`` (OWNED by one of the group) read-only pages of ``group`` with ``holders`` references;
+        their generations stay, so every holder's table entry ``(page, generation)`` stays valid."""
+        idx = torch.tensor(pages, dtype=torch.int64)
+        if not bool((self.state[idx] == PageState.OWNED).all()):
+            raise RuntimeError(f"only owned pages can be shared: {pages}")
+        self.owner[idx] = group
+        self.state[idx] = int(PageState.SHARED)
+        self.refs[idx] = holders
+
+    def _split(self, run: PageRun) -> PageRun:
+        """Drop this holder's references to the run's SHARED pages (the last one frees them); the rest."""
+        shared = [i for i, p in enumerate(run.pages) if self.state[p] == PageState.SHARED]
+        if not shared:
+            return run
+        idx = torch.tensor([run.pages[i] for i in shared], dtype=torch.int64)
+        self.refs[idx] -= 1
+        last = idx[self.refs[idx] == 0].tolist()
+        if last:
+            self.state[torch.tensor(last)] = int(PageState.OWNED)
+            self.free(PageRun(tuple(last), ()))
+        keep = [i for i in range(len(run.pages)) if i not in set(shared)]
+        return PageRun(tuple(run.pages[i] for i in keep), tuple(run.generations[i] for i in keep))
+
+    def quarantine(self, run: PageRun) -> PageRun:
+        """Take pages out of every page table (tags say so) without returning them to the free list. Shared
+        pages are only let go (no writer targets them); returns the pages now quarantined."""
+        run = self._split(run)
         self.set_state(run, PageState.QUARANTINED)
+        return run
 
     def free(self, run: PageRun) -> None:
+        if not run.pages:
+            return
+        run = self._split(run)
         if not run.pages:
             return
         idx = torch.tensor(run.pages, dtype=torch.int64)
@@ -105,10 +142,14 @@ class PagePool:
 
     # -- the read-side check --------------------------------------------------------------------------
     def check_tables(self, table: torch.Tensor, gens: torch.Tensor, owners: torch.Tensor,
-                     valid: torch.Tensor) -> torch.Tensor:
-        """One vectorized comparison of a batch's page tables [B, P] with the tags: ok per request [B]."""
-        ok = ((self.owner[table] == owners[:, None]) & (self.generation[table] == gens)
-              & (self.state[table] == PageState.OWNED))
+                     valid: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+        """One vectorized comparison of a batch's page tables [B, P] with the tags: ok per request [B]. A page
+        passes if the request owns it, or if it is SHARED and owned by the request's group."""
+        owner, state = self.owner[table], self.state[table]
+        mine = (owner == owners[:, None]) & (state == PageState.OWNED)
+        if groups is not None:
+            mine |= (owner == groups[:, None]) & (state == PageState.SHARED)
+        ok = mine & (self.generation[table] == gens)
         return (ok | ~valid).all(dim=1)
 
     def run_ok(self, run: PageRun, owner: int, state: PageState) -> bool:
@@ -119,7 +160,7 @@ class PagePool:
 
     # -- conservation ---------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
-        c = torch.bincount(self.state.to(torch.int64), minlength=4).tolist()
+        c = torch.bincount(self.state.to(torch.int64), minlength=len(PageState)).tolist()
         return {s.name.lower(): c[s] for s in PageState}
 
     def check_integrity(self) -> None:
@@ -134,6 +175,8 @@ class PagePool:
         free_mask = self.state == PageState.FREE
         assert bool((self.owner[free_mask] == -1).all()), "a FREE page has an owner"
         assert bool((self.owner[~free_mask] >= 0).all()), "a used page has no owner"
+        shared = self.state == PageState.SHARED
+        assert bool(((self.refs > 0) == shared).all()), "a page has references but is not SHARED, or none but is"
 
     def owned_by(self, owner: int) -> int:
         return int(((self.owner == owner) & (self.state != PageState.FREE)).sum())

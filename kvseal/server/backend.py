@@ -25,6 +25,7 @@ class GenRequest:
     tenant: str
     prompt: list[int]
     params: SamplingParams
+    group: int | None = None  # n > 1: every choice of a prompt names its first choice's rid
 
 
 class Backend(Protocol):
@@ -92,7 +93,8 @@ class EngineBackend:
 
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
         q: asyncio.Queue = asyncio.Queue()
-        seq = Sequence(req.rid, req.prompt, req.params, self.batcher.sink_for(q), eos_ids=self.eos_ids)
+        seq = Sequence(req.rid, req.prompt, req.params, self.batcher.sink_for(q), eos_ids=self.eos_ids,
+                       group=req.group)
         await asyncio.wrap_future(self.engine.submit(seq))
         async for ev in drain(q, lambda: self.engine.abort(req.rid)):
             yield ev

@@ -80,7 +80,7 @@ class Outbox:
 
 def _token_event(ev: Event) -> P.TokenEvent:
     err = ev.error.to_dict() | {"status": ev.error.status} if isinstance(ev.error, EngineError) else None
-    return P.TokenEvent(ev.rid, list(ev.token_ids), ev.finish_reason, err)
+    return P.TokenEvent(ev.rid, list(ev.token_ids), ev.finish_reason, err, list(ev.logprobs) or None)
 
 
 @dataclass(eq=False)
@@ -249,8 +249,7 @@ class DecodeService:
         return P.Ack(ok=True, first_token=c.first_token)
 
     def _reject(self, st: LeaseState, e: EngineError) -> P.Ack:
-        self.pool.quarantine(st.run)
-        self.engine.quarantined[st.reserve.rid] = st.run
+        self.engine.quarantined[st.reserve.rid] = self.pool.quarantine(st.run)
         st.aborted = True
         st.sink(Event(st.reserve.rid, (), "error", e))
         return P.Ack(ok=False, status=e.status, code=e.code, message=str(e))
@@ -273,8 +272,7 @@ class DecodeService:
                 if not self.prot.deferred_release:  # unsafe: straight back to the free list
                     self.pool.free(st.run)
                     return
-                self.pool.quarantine(st.run)
-                self.engine.quarantined[a.rid] = st.run
+                self.engine.quarantined[a.rid] = self.pool.quarantine(st.run)
 
             await asyncio.wrap_future(self.engine.call(q))
             st.queue.put_nowait(Event(a.rid, (), "abort"))  # loop thread: straight to the queue

@@ -22,6 +22,8 @@ class Metrics:
                                           registry=r)
         self.preemptions = Counter("kvseal_preemptions", "Requests preempted (pages freed, recomputed later)",
                                    registry=r)
+        self.shared_tokens = Counter("kvseal_shared_prompt_tokens", "Prompt tokens a choice (n > 1) read from "
+                                     "its request's shared pages instead of computing them", registry=r)
         self.engine_seconds = Counter("kvseal_engine_seconds", "Engine step time by phase", ["phase"], registry=r)
         self.engine_steps = Counter("kvseal_engine_steps", "Engine steps that ran a forward pass", registry=r)
         self.pool_pages = Gauge("kvseal_pool_pages", "KV pool pages by state", ["state"], registry=r)

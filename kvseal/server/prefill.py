@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvseal.engine.engine import Engine
 from kvseal.engine.errors import ContextLengthError, EngineError
-from kvseal.engine.sampling import SamplingParams
+from kvseal.engine.sampling import Logprob, SamplingParams
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.faults import Faults
 from kvseal.server.backend import pool_health
@@ -54,10 +54,10 @@ class PrefillService:
             p.prompt = p.prompt[:1]  # the 2026 bug: a 1-token placeholder, committed as if complete
         elif too_long and cfg.protections.admission:
             raise ContextLengthError(len(p.prompt), p.max_new, cfg.context_window, self.engine.pool.cfg.capacity_tokens)
-        params = SamplingParams(max_tokens=1, **p.sampling)  # prefill samples the first token only
+        params = SamplingParams(**{**p.sampling, "max_tokens": 1})  # prefill samples the first token only
         done: asyncio.Future = self.loop.create_future()
         self.pending[p.rid] = (p, done)
-        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid), lease=p.lease)
+        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid), lease=p.lease, group=p.group)
 
         def admit() -> None:  # engine thread: a lease forgotten meanwhile never reaches the engine
             if p.lease.nonce in self.forgotten:
@@ -133,7 +133,9 @@ class PrefillService:
         commit = P.Commit(rid=seq.rid, nonce=lease.nonce, n_tokens=n, first_token=first, pages=dst,
                           generations=lease.generations[:k], checksum=digest)
         late_write = (lambda: self._write(src, lease, dst)) if late else None
-        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._commit(seq.rid, commit, late_write)))
+        lp = seq.logprob
+        self.loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._commit(seq.rid, commit, late_write, lp)))
 
     def _write(self, src: list[int], lease: P.Lease, dst: list[int]) -> None:
         """One-sided write of this worker's pages ``src`` into the leased decode pages ``dst``."""
@@ -147,7 +149,8 @@ class PrefillService:
         if self.faults.fire("corrupt_page_write"):
             self.writer.corrupt(lease.target, lease.layout, self.engine.pool.kv.dtype, dst)
 
-    async def _commit(self, rid: int, commit: P.Commit, late_write: Callable[[], None] | None) -> None:
+    async def _commit(self, rid: int, commit: P.Commit, late_write: Callable[[], None] | None,
+                      logprob: Logprob | None = None) -> None:
         p, _ = self.pending.get(rid, (None, None))
         try:
             ack = await self._send_commit(p.decode_url, commit)
@@ -164,6 +167,7 @@ class PrefillService:
         released = self.engine.call(lambda: self.engine.release(rid))
         if not ack.ok:
             await self._writer_done(p, commit.nonce)
+        ack.first_logprob = logprob
         self._settle(rid, ack)
         await asyncio.wrap_future(released)
 

@@ -170,9 +170,7 @@ class DisaggBackend:
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
         d, p = self._pick(self.decodes), self._pick(self.prefills)
         p.inflight += 1
-        sampling = {"temperature": req.params.temperature, "top_p": req.params.top_p, "top_k": req.params.top_k,
-                    "seed": req.params.seed, "stop_token_ids": list(req.params.stop_token_ids),
-                    "ignore_eos": req.params.ignore_eos}
+        sampling = req.params.to_wire()
         d.inflight += 1
         committed = finished = False
         events = d.mux.register(req.rid)  # before the lease exists: no event of this request goes unclaimed
@@ -184,14 +182,14 @@ class DisaggBackend:
                                      undo=lambda lease: self._abort(d, req.rid, lease.nonce, writer_done=True))
             self.faults.crash("crash_after_reserve")
             msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
-                            sampling=sampling, lease=lease, decode_url=d.url)
+                            sampling=sampling, lease=lease, decode_url=d.url, group=req.group)
             # a transfer that committed after the client left started decode for nobody: stop it
             ack = await self._step(self._transfer(p, d, msg),
                                    undo=lambda _ack: self._abort(d, req.rid, 0, writer_done=True),
                                    unguarded=lambda: self._abort(d, req.rid, lease.nonce, writer_done=True))
             committed = True
             p.inflight -= 1
-            yield Event(req.rid, (ack.first_token,))
+            yield Event(req.rid, (ack.first_token,), logprobs=(ack.first_logprob,) if ack.first_logprob else ())
             async for ev in self._events(events, req.rid):
                 finished = ev.finish_reason is not None
                 yield ev
@@ -282,6 +280,6 @@ class DisaggBackend:
                 raise m
             if m.error:
                 raise worker_error(m.error["status"], m.error)
-            yield Event(rid, tuple(m.tokens), m.finish)
+            yield Event(rid, tuple(m.tokens), m.finish, logprobs=tuple(m.logprobs or ()))
             if m.finish is not None:
                 return

@@ -1,7 +1,8 @@
 """OpenAI request bodies, strict: an unknown or unsupported parameter is a 400 that names it.
 
-Parameters accepted with only their neutral value (``n=1``, penalties 0, ``logprobs`` false) are checked in
-``unsupported``; everything else OpenAI defines but kvseal does not implement is rejected by ``extra="forbid"``.
+Besides OpenAI's parameters, the vLLM extensions its users rely on are accepted (``top_k``, ``min_p``,
+``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``). Everything else is rejected by
+``extra="forbid"``; combinations kvseal does not serve are rejected in ``unsupported``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvseal.engine.errors import BadRequest
+
+MAX_N = 32  # choices per request (n, or prompts × n in a completions batch)
 
 
 class Strict(BaseModel):
@@ -37,20 +40,45 @@ class Message(Strict):
         return "".join(parts)
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def spec(self) -> dict:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise BadRequest("response_format json_schema needs json_schema.schema", param="response_format")
+        schema = self.json_schema.schema_ if self.json_schema else None
+        return {"type": self.type, "json_schema": {"schema": schema}}
+
+
 class Sampling(Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # vLLM-style extension; 0 = off
+    top_k: int = Field(default=0, ge=-1)  # vLLM: 0 or -1 = off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = Field(default=None, validate_default=True)
+    stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    response_format: ResponseFormat | None = None
     ignore_eos: bool = False  # vLLM-style extension, used by benchmarks
 
     @field_validator("stop")
@@ -61,25 +89,51 @@ class Sampling(Strict):
             raise ValueError("stop takes at most 4 non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for tok, b in (v or {}).items():
+            if not tok.isdigit() or not -100 <= b <= 100:
+                raise ValueError("logit_bias maps token ids to values in [-100, 100]")
+        return v
+
     def unsupported(self) -> None:
-        if self.n != 1:
-            raise BadRequest("n > 1 is not supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise BadRequest(f"{name} is not supported (only 0)", param=name)
+        if self.min_tokens and self.max_new is not None and self.min_tokens > self.max_new:
+            raise BadRequest("min_tokens must not exceed max_tokens", param="min_tokens")
+
+    def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        pairs = tuple((int(t), b) for t, b in (self.logit_bias or {}).items())
+        bad = [t for t, _ in pairs + tuple((t, 0) for t in self.stop_token_ids or ()) if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+                             param="logit_bias" if self.logit_bias else "stop_token_ids")
+        return pairs
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        return None
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_tokens
 
 
 class ChatRequest(Sampling):
     messages: list[Message]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.logprobs:
-            raise BadRequest("logprobs is not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if not self.messages:
             raise BadRequest("messages must not be empty", param="messages")
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new(self) -> int | None:
@@ -87,23 +141,41 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.echo:
-            raise BadRequest("echo is not supported", param="echo")
-        if self.logprobs:
-            raise BadRequest("logprobs is not supported", param="logprobs")
-        batch = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str)
-        if batch and len(self.prompt) != 1:
-            raise BadRequest("a batch of prompts is not supported; send one prompt", param="prompt")
-        if not self.prompt:
+        if self.echo and self.logprobs is not None:
+            raise BadRequest("echo with logprobs (prompt logprobs) is not supported", param="echo")
+        if not self.prompt or any(not p for p in self.prompts):
             raise BadRequest("prompt must not be empty", param="prompt")
+        if len(self.prompts) * self.n > MAX_N:
+            raise BadRequest(f"at most {MAX_N} choices per request (prompts × n)", param="n")
 
     @property
-    def max_new(self) -> int | None:
-        return self.max_tokens
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt, each a string or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]

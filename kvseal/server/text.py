@@ -9,9 +9,10 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer: object, stops: list[str]) -> None:
+    def __init__(self, tokenizer: object, stops: list[str], min_tokens: int = 0) -> None:
         self.tok = tokenizer
         self.stops = stops
+        self.min_tokens = min_tokens  # as vLLM: no stop string ends a request before min_tokens
         self.ids: list[int] = []
         self.sent = 0
         self.stopped = False
@@ -22,7 +23,7 @@ class TextStream:
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if not final and text.endswith("\ufffd"):
             return ""
-        for s in self.stops:
+        for s in self.stops if len(self.ids) >= self.min_tokens else ():
             at = text.find(s, max(0, self.sent - len(s)))
             if at != -1:
                 self.stopped = True
@@ -42,3 +43,41 @@ class TextStream:
                     hold = max(hold, k)
                     break
         return hold
+
+
+class TokenStrings:
+    """A token's text and raw bytes, as OpenAI's logprobs give them. Byte-level BPE tokenizers (GPT-2 style,
+    SmolLM2's) spell bytes as printable characters; this maps them back, so a token holding half of a UTF-8
+    character has its true bytes and a text with U+FFFD."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tok = tokenizer
+        self.byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
+        self.special = set(getattr(tokenizer, "all_special_ids", ()))
+        self._cache: dict[int, bytes] = {}
+
+    def bytes(self, tid: int) -> bytes:
+        b = self._cache.get(tid)
+        if b is None:
+            piece = self.tok.convert_ids_to_tokens(tid) or ""
+            if tid in self.special or any(ch not in self.byte_of for ch in piece):
+                b = piece.encode() if tid in self.special else self.tok.decode([tid]).encode()
+            else:
+                b = bytes(self.byte_of[ch] for ch in piece)
+            self._cache[tid] = b
+        return b
+
+    def text(self, tid: int) -> str:
+        return self.bytes(tid).decode("utf-8", errors="replace")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (the ByteLevel pre-tokenizer's alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars)))

@@ -20,8 +20,10 @@ import torch
 import xxhash
 
 from kvseal.engine.errors import EngineError
+from kvseal.engine.sampling import Logprob
 
-VERSION = 3  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout
+VERSION = 4  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout;
+# 4: every sampling parameter travels (SamplingParams.to_wire), logprobs ride with tokens
 
 
 class Msg(msgspec.Struct, kw_only=True):
@@ -45,6 +47,7 @@ class TokenEvent(msgspec.Struct, array_like=True):
     tokens: list[int]
     finish: str | None = None
     error: dict | None = None  # {"message", "type", "code", "status"}
+    logprobs: list[Logprob] | None = None  # one per token, when the request asked for them
 
 
 class Lease(Msg):
@@ -66,6 +69,7 @@ class Prefill(Msg):
     sampling: dict
     lease: Lease
     decode_url: str
+    group: int | None = None  # n > 1: the choices of a prompt share its pages on prefill (never on decode)
 
 
 class Commit(Msg):
@@ -84,6 +88,7 @@ class Ack(Msg):
     code: str = ""
     message: str = ""
     first_token: int = -1
+    first_logprob: Logprob | None = None  # prefill's, for the router; not covered by the checksum
 
 
 class Abort(Msg):

@@ -1,0 +1,70 @@
+"""Structured output: ``response_format`` compiled to a grammar by llguidance, enforced as a token mask.
+
+The front door compiles a JSON schema (or "any JSON object") into an llguidance grammar string and rejects
+one the library cannot compile (400). The grammar string travels with the request's sampling parameters to
+whichever engine samples (the colocated engine; prefill for the first token, decode for the rest), and each
+engine builds its own matcher from it, replaying the tokens the request already has. The mask removes every
+token the grammar cannot take next; once the grammar is complete only EOS is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import llguidance
+import llguidance.hf
+import llguidance.torch as llt
+import torch
+
+from kvseal.engine.errors import BadRequest
+
+
+def compile_response_format(fmt: dict | None) -> str | None:
+    """OpenAI's ``response_format`` → an llguidance grammar string, or None for plain text."""
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        schema: dict = {"type": "object"}
+    else:
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format.json_schema.schema must be a JSON schema object",
+                             param="response_format")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                defaults={"whitespace_flexible": False})
+        err = llguidance.LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError, RuntimeError) as e:
+        err = str(e)
+    if err:
+        raise BadRequest(f"response_format: the schema cannot be compiled: {err}", param="response_format")
+    return grammar
+
+
+class Grammars:
+    """Builds matchers for one tokenizer; the llguidance tokenizer is made once, on first use."""
+
+    def __init__(self, tokenizer: object, vocab_size: int) -> None:
+        self.hf = tokenizer
+        self.vocab_size = vocab_size
+        self._tok: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def matcher(self, grammar: str, replay: list[int]) -> llguidance.LLMatcher:
+        with self._lock:
+            if self._tok is None:
+                self._tok = llguidance.hf.from_tokenizer(self.hf, n_vocab=self.vocab_size)
+        m = llguidance.LLMatcher(self._tok, grammar)
+        for t in replay:
+            m.consume_token(t)
+        if m.is_error():
+            raise BadRequest(f"response_format: grammar rejected: {m.get_error()}", param="response_format")
+        return m
+
+
+def mask_row(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
+    """Set every token the grammar cannot accept next to -inf, in place (row [V], fp32)."""
+    bits = llt.allocate_token_bitmask(1, row.numel())
+    llt.fill_next_token_bitmask(matcher, bits, 0)
+    llt.apply_token_bitmask_inplace(row[None], bits)

@@ -1,0 +1,208 @@
+"""A request's answer: each choice's event stream turned into text pieces, then one JSON body or an SSE stream.
+
+A request has one ``Reply`` per choice (``n`` choices for each prompt of a completions batch), each with its
+own index. A streamed answer interleaves the choices' chunks as they come; a whole one waits for all. An
+error in any choice before the status went out is that error's JSON body; after it (streaming), an in-band
+error event, never a quiet 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse, Response
+
+from kvseal.engine.errors import EngineError
+from kvseal.engine.sampling import Logprob
+from kvseal.engine.sequence import Event
+from kvseal.server.metrics import Metrics
+from kvseal.server.text import TextStream, TokenStrings
+
+
+def error_response(e: EngineError) -> JSONResponse:
+    """OpenAI's error body; capacity answers (429/503) say when to come back, as vLLM and OpenAI do."""
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse({"error": e.to_dict()}, status_code=e.status, headers=headers)
+
+
+@dataclass
+class Piece:
+    text: str
+    logprobs: tuple[Logprob, ...] = ()
+    finish: str | None = None  # the choice's finish reason, if this is its last piece
+
+
+class Reply:
+    """One choice's event stream turned into text pieces, with metrics and the stop-string cut."""
+
+    def __init__(self, index: int, events: AsyncIterator[Event], text: TextStream, metrics: Metrics,
+                 started: float) -> None:
+        self.index = index
+        self.events = events
+        self.text = text
+        self.metrics = metrics
+        self.last = started
+        self.n_tokens = 0
+        self.offset = 0  # characters sent so far (completions' text_offset)
+        self.finish: str | None = None
+
+    async def first(self) -> Piece:
+        try:
+            return await self.next() or Piece("", finish=self.finish)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def next(self) -> Piece | None:
+        """The next piece (its text may be ''); None when finished."""
+        if self.finish:
+            return None
+        ev = await self.events.__anext__()
+        if ev.error is not None:
+            raise ev.error
+        now = time.monotonic()
+        if ev.token_ids:
+            (self.metrics.ttft if self.n_tokens == 0 else self.metrics.itl).observe(now - self.last)
+            self.last = now
+            self.n_tokens += len(ev.token_ids)
+            self.metrics.generation_tokens.inc(len(ev.token_ids))
+        delta = self.text.push(ev.token_ids, final=ev.finish_reason is not None)
+        if self.text.stopped:
+            self.finish = "stop"
+            await self.close()  # abort the generation: the rest would be thrown away
+        elif ev.finish_reason:
+            if ev.finish_reason not in ("stop", "length"):
+                raise EngineError(f"request ended with {ev.finish_reason}")
+            self.finish = ev.finish_reason
+        return Piece(delta, ev.logprobs, self.finish)
+
+    async def close(self) -> None:
+        await self.events.aclose()
+
+
+class Formatter:
+    """OpenAI's response shapes for chat and completions: choices, logprobs, usage."""
+
+    def __init__(self, ident: str, model: str, chat: bool, strings: TokenStrings, n_prompt: int) -> None:
+        self.ident, self.model, self.chat, self.strings, self.n_prompt = ident, model, chat, strings, n_prompt
+        self.created = int(time.time())
+
+    def usage(self, replies: list[Reply]) -> dict:
+        out = sum(r.n_tokens for r in replies)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": out, "total_tokens": self.n_prompt + out}
+
+    def choice(self, r: Reply, text: str, lps: tuple[Logprob, ...] | None, delta: bool, first: bool = False,
+               finish: str | None = None) -> dict:
+        logprobs = self.logprobs(r, lps) if lps is not None else None
+        finish = finish if delta else r.finish
+        if not self.chat:
+            return {"index": r.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        if delta:
+            d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": r.index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": r.index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": logprobs}
+
+    def logprobs(self, r: Reply, lps: tuple[Logprob, ...]) -> dict:
+        s = self.strings
+        if self.chat:
+            def entry(tid: int, lp: float) -> dict:
+                return {"token": s.text(tid), "logprob": lp, "bytes": list(s.bytes(tid))}
+            return {"content": [entry(x.token, x.logprob) | {"top_logprobs": [entry(t, v) for t, v in x.top]}
+                                for x in lps]}
+        offsets = []
+        for x in lps:
+            offsets.append(r.offset)
+            r.offset += len(s.text(x.token))
+        return {"tokens": [s.text(x.token) for x in lps], "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [{s.text(t): v for t, v in x.top} for x in lps], "text_offset": offsets}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.ident, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    def body(self, replies: list[Reply], texts: list[str], lps: list[tuple[Logprob, ...] | None]) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.ident, "object": obj, "created": self.created, "model": self.model,
+                "choices": [self.choice(r, t, lp, delta=False) for r, t, lp in zip(replies, texts, lps)],
+                "usage": self.usage(replies)}
+
+
+async def close_all(replies: list[Reply], tasks: list[asyncio.Task]) -> None:
+    """Stop the tasks reading the replies (a generator cannot be closed while a task is inside it), then
+    close every reply: a choice still generating is aborted."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for r in replies:
+        await r.close()
+
+
+async def whole(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_logprobs: bool) -> Response:
+    """Every choice to its end, then one JSON body."""
+    async def collect(r: Reply, first: Piece) -> tuple[str, tuple[Logprob, ...]]:
+        parts, lps = [first.text], list(first.logprobs)
+        while (pc := await r.next()) is not None:
+            parts.append(pc.text)
+            lps.extend(pc.logprobs)
+        return "".join(parts), tuple(lps)
+
+    tasks = [asyncio.ensure_future(collect(r, f)) for r, f in zip(replies, firsts)]
+    try:
+        done = await asyncio.gather(*tasks)
+    except EngineError as e:
+        replies[0].metrics.requests.labels(str(e.status)).inc()
+        return error_response(e)
+    finally:
+        await close_all(replies, tasks)
+    replies[0].metrics.requests.labels("200").inc()
+    texts = [t for t, _ in done]
+    return JSONResponse(fmt.body(replies, texts, [lp if want_logprobs else None for _, lp in done]))
+
+
+async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_logprobs: bool,
+              include_usage: bool) -> AsyncIterator[bytes]:
+    """The choices' chunks interleaved as they come, then usage (if asked) and ``[DONE]``."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(r: Reply) -> None:
+        try:
+            while (pc := await r.next()) is not None:
+                await q.put((r, pc))
+        except EngineError as e:
+            await q.put((r, e))
+        await q.put((r, None))
+
+    def lp(pc: Piece) -> tuple[Logprob, ...] | None:
+        return pc.logprobs if want_logprobs else None
+
+    tasks: list[asyncio.Task] = []
+    try:
+        for r, f in zip(replies, firsts):
+            yield fmt.chunk([fmt.choice(r, f.text, lp(f), delta=True, first=True, finish=f.finish)])
+        tasks = [asyncio.ensure_future(pump(r)) for r in replies]
+        live = len(replies)
+        while live:
+            r, item = await q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, EngineError):  # the status is sent already: say so in-band
+                r.metrics.requests.labels(str(item.status)).inc()
+                yield f"data: {json.dumps({'error': item.to_dict()})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                return
+            elif item.text or item.finish or item.logprobs and want_logprobs:
+                yield fmt.chunk([fmt.choice(r, item.text, lp(item), delta=True, finish=item.finish)])
+        replies[0].metrics.requests.labels("200").inc()
+        if include_usage:
+            yield fmt.chunk([], fmt.usage(replies))
+        yield b"data: [DONE]\n\n"
+    finally:
+        await close_all(replies, tasks)
