@@ -91,6 +91,13 @@ def colocated():
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def disagg():
+    s = Server(["serve", "--kv-pool-tokens", "16384"])
+    yield s
+    s.stop()
+
+
 class Trio:
     """A router over one prefill and one decode worker, each a real process; the workers load in parallel."""
 

@@ -44,7 +44,8 @@ def test_completions_with_stop_and_seed(client):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 33}, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
@@ -52,8 +53,15 @@ def test_completions_with_stop_and_seed(client):
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 9}, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3.0}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of"),
 ])
 def test_bad_input_is_400_naming_the_parameter(colocated, body, param):
     r = httpx.post(colocated.url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=30)

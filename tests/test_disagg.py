@@ -11,13 +11,6 @@ from conftest import MODEL, Server, free_port, wait_pages_back
 PROMPTS = ["Write a haiku about the sea.", "List three colors.", "What is the capital of Germany?"]
 
 
-@pytest.fixture(scope="module")
-def disagg():
-    s = Server(["serve", "--kv-pool-tokens", "16384"])
-    yield s
-    s.stop()
-
-
 def chat(url, text, n=24, **kw):
     r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}],
                                                        "max_tokens": n, "temperature": 0, **kw}, timeout=120)

@@ -1,5 +1,7 @@
 """The real model: kvseal's greedy tokens equal Hugging Face transformers', and batching changes nothing."""
 
+import time
+
 import pytest
 import torch
 from engine_util import chat_ids, generate, make_engine
@@ -144,3 +146,38 @@ def test_an_engine_waiting_for_pages_sleeps_instead_of_spinning(fp32_model):
         assert events[-1].finish_reason == "length"
     finally:
         engine.stop()
+
+
+def test_logprobs_match_transformers_fp32(fp32_model, fp32_prompts):
+    """The logprobs a greedy request returns are Hugging Face's fp32 log-softmax, top-k in the same order."""
+    from transformers import AutoModelForCausalLM
+
+    from kvseal.engine.sampling import SamplingParams
+    from kvseal.engine.sequence import Sequence
+
+    ids = fp32_prompts[0]
+    engine = make_engine(fp32_model)
+    events = []
+    try:
+        engine.submit(Sequence(424242, ids, SamplingParams(max_tokens=8, temperature=0, logprobs=5), events.append))
+        deadline = time.time() + 120
+        while not (events and events[-1].finish_reason) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+    ours = [lp for ev in events for lp in ev.logprobs]
+
+    def ref():
+        hf = AutoModelForCausalLM.from_pretrained(str(fp32_model.path.parent), gguf_file=fp32_model.path.name,
+                                                  dtype=torch.float32)
+        x = torch.tensor([ids + [lp.token for lp in ours[:-1]]])
+        return torch.log_softmax(hf(x, attention_mask=torch.ones_like(x)).logits[0, len(ids) - 1:], -1)
+
+    theirs = off_main_thread(ref)
+    assert len(ours) == 8
+    for lp, row in zip(ours, theirs):
+        assert lp.token == int(row.argmax())
+        assert lp.logprob == pytest.approx(float(row[lp.token]), abs=2e-3)
+        top = row.topk(5)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=2e-3)

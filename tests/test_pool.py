@@ -90,3 +90,40 @@ def test_random_alloc_free_conserves(ops):
             pool.free(live.pop(0))
         pool.check_integrity()
     assert pool.num_free + sum(len(r.pages) for r in live) == 16
+
+
+# -- shared pages (n > 1: a request's choices share their prompt's pages) --------------------------------
+def group_ok(pool: PagePool, run, owner: int, group: int | None) -> bool:
+    t = torch.tensor([run.pages])
+    g = torch.tensor([-2 if group is None else group])
+    return bool(pool.check_tables(t, torch.tensor([run.generations]), torch.tensor([owner]),
+                                  torch.ones_like(t, dtype=torch.bool), g)[0])
+
+
+def test_shared_pages_are_freed_by_their_last_holder_only():
+    pool = small_pool()
+    a = pool.allocate(7, 3)
+    pool.share(a.pages[:2], 7, holders=3)
+    assert pool.counts()["shared"] == 2
+    pool.check_integrity()
+    pool.free(a)  # the leader ends: its private page goes, the shared ones stay for the other two
+    assert pool.num_free == 6 and pool.counts()["shared"] == 2
+    pool.free(type(a)(a.pages[:2], a.generations[:2]))
+    assert pool.num_free == 6
+    q = pool.quarantine(type(a)(a.pages[:2], a.generations[:2]))  # an error ending: shared pages just let go
+    assert q.pages == () and pool.num_free == 8
+    assert all(pool.generation[p] == 1 for p in a.pages)
+    pool.check_integrity()
+
+
+def test_a_shared_page_reads_only_for_its_group():
+    pool = small_pool()
+    a = pool.allocate(7, 2)
+    pool.share(a.pages, 7, holders=2)
+    assert group_ok(pool, a, owner=7, group=7) and group_ok(pool, a, owner=8, group=7)
+    assert not group_ok(pool, a, owner=8, group=None)  # another request: not its page
+    assert not group_ok(pool, a, owner=8, group=9)
+    assert not table_ok(pool, a, 7)  # without the group, even the leader's own table no longer passes
+    pool.free(a)
+    pool.free(a)
+    assert not group_ok(pool, a, owner=7, group=7)  # freed by both holders: the generation moved on

@@ -353,8 +353,8 @@ class Engine:
         s.phase = Phase.DONE
         self.seqs.pop(s.rid, None)
         try:
-            if s.run is not None and quarantine:
-                self.quarantined[s.rid] = self.pool.quarantine(s.run)
+            if s.run is not None and quarantine:  # only pages still tagged for it: the rest are not its own
+                self.quarantined[s.rid] = self.pool.quarantine(self.pool.holding(s.run, s.rid, s.group))
             elif s.run is not None:
                 self.pool.free(s.run)
         except RuntimeError as e:  # a double free is a bug; the request must still end, with an error

@@ -158,6 +158,18 @@ class PagePool:
         return bool(((self.owner[idx] == owner) & (self.generation[idx] == gens)
                      & (self.state[idx] == int(state))).all())
 
+    def holding(self, run: PageRun, owner: int, group: int | None = None) -> PageRun:
+        """The part of ``run`` whose tags still name this request (its own pages, or its group's shared ones):
+        what a request that failed its check may let go. Pages tagged for anyone else are not its to touch."""
+        idx = torch.tensor(run.pages, dtype=torch.int64)
+        gens = torch.tensor(run.generations, dtype=torch.int64)
+        own, state = self.owner[idx], self.state[idx]
+        ok = (own == owner) & (state != PageState.FREE) & (state != PageState.SHARED)
+        if group is not None:
+            ok |= (own == group) & (state == PageState.SHARED)
+        keep = (ok & (self.generation[idx] == gens)).nonzero().flatten().tolist()
+        return PageRun(tuple(run.pages[i] for i in keep), tuple(run.generations[i] for i in keep))
+
     # -- conservation ---------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         c = torch.bincount(self.state.to(torch.int64), minlength=len(PageState)).tolist()

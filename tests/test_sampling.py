@@ -1,0 +1,104 @@
+"""Logits processors against direct computations on the logits (OpenAI's and vLLM's formulas), truncation,
+and logprobs."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from kvseal.engine.sampling import SamplingParams, logprob, process, sample
+
+V = 64
+
+
+@dataclass
+class Row:
+    params: SamplingParams
+    prompt: list[int]
+    tokens: list[int]
+    generator: torch.Generator | None = None
+    eos_ids: frozenset[int] = frozenset({2})
+    matcher: object | None = None
+    logprob: object = field(default=None)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+
+def row(prompt=(5, 6, 7), out=(7, 9, 9, 9), **kw) -> Row:
+    return Row(SamplingParams(max_tokens=8, temperature=0, **kw), list(prompt), list(prompt) + list(out))
+
+
+def logits() -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(3)) * 3
+
+
+def test_frequency_and_presence_penalties_follow_openai():
+    x, r = logits(), row(frequency_penalty=0.7, presence_penalty=1.1)
+    want = x.clone()
+    for tok, count in {7: 1, 9: 3}.items():  # output tokens only: the prompt's 5, 6, 7 do not count
+        want[tok] -= 0.7 * count + 1.1
+    assert torch.allclose(process(x.clone(), r), want)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    x, r = logits(), row(repetition_penalty=1.3)
+    want = x.clone()
+    for tok in (5, 6, 7, 9):  # prompt and output
+        want[tok] = x[tok] / 1.3 if x[tok] > 0 else x[tok] * 1.3
+    assert torch.allclose(process(x.clone(), r), want)
+
+
+def test_logit_bias_is_added_and_minus_100_bans():
+    x = logits()
+    x[11] = 50.0
+    r = row(logit_bias=((11, -100.0), (12, 4.5)))
+    got = process(x.clone(), r)
+    assert got[11] == x[11] - 100 and got[12] == x[12] + 4.5
+    assert sample(x[None], [r])[0][0] != 11
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    x = logits()
+    x[2] = x[13] = 99.0  # EOS and a stop token would win
+    early = row(out=(9,), min_tokens=3, stop_token_ids=(13,))
+    assert sample(x[None], [early])[0][0] not in (2, 13)
+    late = row(out=(9, 9, 9), min_tokens=3, stop_token_ids=(13,))
+    assert sample(x[None], [late])[0][0] in (2, 13)
+
+
+def test_min_p_top_k_top_p_only_draw_allowed_tokens():
+    x = logits()
+    probs = torch.softmax(x, -1)
+    top = probs.argsort(descending=True)
+    g = torch.Generator().manual_seed(0)
+    for kw, allowed in [({"top_k": 3}, set(top[:3].tolist())),
+                        ({"min_p": 0.5}, set((probs >= 0.5 * probs.max()).nonzero().flatten().tolist())),
+                        ({"top_p": 0.5}, set(top[: int((probs[top].cumsum(0) < 0.5).sum()) + 1].tolist()))]:
+        r = Row(SamplingParams(max_tokens=8, temperature=1.0, **kw), [1], [1], generator=g)
+        drawn = {sample(x[None], [r])[0][0] for _ in range(200)}
+        assert drawn <= allowed and drawn, (kw, drawn, allowed)
+
+
+def test_logprobs_are_log_softmax_with_sorted_top_k():
+    x = logits()
+    lp = logprob(x, 4, 5)
+    ref = torch.log_softmax(x, -1)
+    assert lp.token == 4 and lp.logprob == pytest.approx(float(ref[4]))
+    assert [t for t, _ in lp.top] == ref.argsort(descending=True)[:5].tolist()
+    assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+def test_logprobs_follow_the_processed_distribution():
+    x, r = logits(), row(frequency_penalty=1.0, logprobs=2)
+    tok, lp = sample(x[None], [r])[0]
+    want = torch.log_softmax(process(x.clone(), r), -1)
+    assert tok == int(want.argmax()) and lp.logprob == pytest.approx(float(want[tok]))
+
+
+def test_plain_greedy_rows_skip_processing():
+    x = torch.stack([logits(), -logits()])
+    rows = [row(), row()]
+    assert [t for t, _ in sample(x, rows)] == x.argmax(-1).tolist()
+    assert all(lp is None for _, lp in sample(x, rows))
