@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 # Must precede the first torch import. libgomp's idle workers spin ~300k iterations by default, starving
 # the HTTP thread on a small machine; 100k measured best here (bench/README: 32 streams, ~+15%).
@@ -36,8 +37,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="bf16", choices=["bf16", "int8", "int4"],
                    help="linear-layer kernels: bf16, or weight-only int8/int4 for steps of few rows (bf16 above)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
-    p.add_argument("--share-cores", default=None, metavar="LOCKFILE",
-                   help="time-share the cores with other engines using the same lock file (one forward at a time)")
+    p.add_argument("--share-cores", default="auto", metavar="LOCKFILE|auto|none",
+                   help="time-share the cores with other engines using the same lock file (one forward at a time); "
+                        "auto: every engine of this user on this host that uses all cores (no --threads)")
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when freed (costs bandwidth)")
     for name, flag in UNSAFE_FLAGS.items():
         p.add_argument(flag, dest=f"unsafe_{name}", action="store_true", help=argparse.SUPPRESS)
@@ -51,12 +53,23 @@ def protections(a: argparse.Namespace) -> Protections:
     return Protections(**{n: n not in off for n in Protections.NAMES})
 
 
+def core_lock(flag: str, threads: int) -> str | None:
+    """Engines on one host that each use every core must take turns (kvseal.engine.cores): two OpenMP teams
+    on the same cores run several times slower than one at a time. By default they find each other through
+    one lock file per user; an engine given its own threads (--threads) is left alone."""
+    if flag == "none" or (flag == "auto" and threads):
+        return None
+    if flag == "auto":
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        return os.path.join(root, f"kvseal-cores-{os.getuid()}.lock")
+    return flag
+
+
 def worker_spec(a: argparse.Namespace) -> WorkerSpec:
     return WorkerSpec(model=a.model, dtype=a.dtype, kv_pool_tokens=a.kv_pool_tokens, kv_memory_gib=a.kv_memory,
                       page_size=a.page_size, context=a.context, allow_pool_below_context=a.allow_pool_below_context,
                       max_running=a.max_running, step_token_budget=a.step_token_budget, weights=a.weights,
-                      threads=a.threads,
-                      share_cores=a.share_cores, scrub_on_free=a.scrub_on_free, protections=protections(a))
+                      threads=a.threads, share_cores=core_lock(a.share_cores, a.threads), scrub_on_free=a.scrub_on_free, protections=protections(a))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -119,11 +119,13 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        backend.check_capacity()
         req = await parse(request, ChatRequest)
         return await serve(request, req, [chat_prompt(req.messages, True)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        backend.check_capacity()
         req = await parse(request, CompletionRequest)
         prompts = [encode(p) for p in req.prompts]
         if any(not p for p in prompts):

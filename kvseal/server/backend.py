@@ -36,6 +36,9 @@ class Backend(Protocol):
 
     def generate(self, req: GenRequest) -> AsyncIterator[Event]: ...
 
+    def check_capacity(self) -> None:
+        """Raise (429/503) if a new request would be shed anyway; called before the body is read."""
+
     async def health(self) -> dict: ...
 
 
@@ -98,6 +101,9 @@ class EngineBackend:
         await asyncio.wrap_future(self.engine.submit(seq))
         async for ev in drain(q, lambda: self.engine.abort(req.rid)):
             yield ev
+
+    def check_capacity(self) -> None:
+        pass  # the engine queues: backpressure, never shedding
 
     async def health(self) -> dict:
         return {"status": "ok", "pools": [await pool_health(self.engine)]}

@@ -72,12 +72,15 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if not a.share_cores:
+        if a.share_cores in (None, "auto"):
             Path(_core_lock_path(a)).unlink(missing_ok=True)
 
 
 def _core_lock_path(a: argparse.Namespace) -> str:
-    return a.share_cores or f"/dev/shm/kvseal-cores-{a.port}-{os.getpid()}"
+    """``serve``'s two workers share a lock of their own unless told which one (or none) to use."""
+    if a.share_cores in (None, "auto"):
+        return f"/dev/shm/kvseal-cores-{a.port}-{os.getpid()}"
+    return a.share_cores
 
 
 def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:

@@ -144,6 +144,12 @@ class DisaggBackend:
                 "pools": [w.info | {"url": w.url} for w in self.prefills + self.decodes if w.healthy],
                 "workers": {w.url: w.healthy for w in self.prefills + self.decodes}}
 
+    def check_capacity(self) -> None:
+        """Shed before any work (parsing, tokenizing) when no worker pair has room: under overload the
+        refusals must cost the host next to nothing, or they eat the cores that serve the admitted work."""
+        self._pick(self.decodes)
+        self._pick(self.prefills)
+
     def _pick(self, ws: list[Worker]) -> Worker:
         live = [w for w in ws if w.healthy]
         if not live:
