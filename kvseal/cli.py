@@ -69,7 +69,21 @@ def worker_spec(a: argparse.Namespace) -> WorkerSpec:
     return WorkerSpec(model=a.model, dtype=a.dtype, kv_pool_tokens=a.kv_pool_tokens, kv_memory_gib=a.kv_memory,
                       page_size=a.page_size, context=a.context, allow_pool_below_context=a.allow_pool_below_context,
                       max_running=a.max_running, step_token_budget=a.step_token_budget, weights=a.weights,
-                      threads=a.threads, share_cores=core_lock(a.share_cores, a.threads), scrub_on_free=a.scrub_on_free, protections=protections(a))
+                      threads=a.threads, share_cores=core_lock(a.share_cores, a.threads),
+                      scrub_on_free=a.scrub_on_free, protections=protections(a))
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                   help="the cluster's shared secret (mode 600): every internal request is signed with a key "
+                        "derived from it")
+    p.add_argument("--previous-cluster-secret-file", default=None, metavar="FILE",
+                   help="the secret before a rotation, still accepted")
+    p.add_argument("--insecure-no-auth", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ssl-certfile", default=None, help="serve this process's HTTP over TLS with this certificate")
+    p.add_argument("--ssl-keyfile", default=None)
+    p.add_argument("--ssl-ca", default=None, metavar="FILE",
+                   help="CA that signs the other nodes' certificates (worker URLs are then https://)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,10 +95,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
+    s.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
     s.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"a {role} worker")
         add_worker_args(w)
+        add_cluster_args(w)
         w.add_argument("--host", default="127.0.0.1")
         w.add_argument("--port", type=int, required=True)
         w.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
@@ -94,11 +110,13 @@ def parser() -> argparse.ArgumentParser:
             w.add_argument("--lease-ttl", type=float, default=120.0,
                            help="seconds before a never-committed lease is revoked and freed (0: never)")
     r = sub.add_parser("router", help="OpenAI front door over remote workers")
+    add_cluster_args(r)
     r.add_argument("--prefill", action="append", required=True, metavar="URL")
     r.add_argument("--decode", action="append", required=True, metavar="URL")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
+    r.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
     r.add_argument("--model", default=None, help="tokenizer source (default: SmolLM2-135M-Instruct)")
     r.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker is failed")
     r.add_argument("--probe-timeout", type=float, default=5.0,
@@ -128,17 +146,20 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "serve" and a.colocated:
         from kvseal.server.colocated import serve
 
-        serve(worker_spec(a), a.host, a.port, a.api_key)
+        serve(worker_spec(a), a.host, a.port, a.api_key, a.api_keys)
     elif a.cmd == "serve":
         from kvseal.server.launch import serve_disaggregated
 
         serve_disaggregated(a, worker_spec(a))
     elif a.cmd in ("prefill", "decode"):
         from kvseal.server.worker import serve_worker
+        from kvseal.transfer.auth import cluster_auth
         from kvseal.transfer.mooncake import MooncakeConfig
 
+        auth = cluster_auth(a, a.cmd, f"{a.cmd}@{a.host}:{a.port}")
         serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport, getattr(a, "lease_ttl", 0.0),
-                     MooncakeConfig(a.mooncake_protocol, a.mooncake_devices))
+                     MooncakeConfig(a.mooncake_protocol, a.mooncake_devices), auth=auth,
+                     tls=(a.ssl_certfile, a.ssl_keyfile))
     elif a.cmd == "router":
         from kvseal.server.worker import serve_router
 

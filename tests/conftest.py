@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Self
 
 import httpx
@@ -16,6 +20,7 @@ import torch
 
 from kvseal.engine.build import off_main_thread
 from kvseal.model.loader import load
+from kvseal.transfer.auth import ClusterSecret, Signer, write_secret_file
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -36,12 +41,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_secret_lock = threading.Lock()
+
+
+@functools.cache
+def _make_secret() -> str:
+    return str(write_secret_file(Path(tempfile.mkdtemp(prefix="kvseal-test-")) / "secret"))
+
+
+def cluster_secret() -> str:
+    """One cluster secret for the session's workers and routers (a 0600 file in a private directory). Locked:
+    Trio starts its workers from two threads at once."""
+    with _secret_lock:
+        return _make_secret()
+
+
+def node_signer(role: str = "router") -> Signer:
+    """Signs requests as a node of ``role``: how a test reads worker details or knocks on their doors."""
+    return Signer(ClusterSecret.from_file(cluster_secret()), role, "pytest")
+
+
+def signed(method: str, url: str, role: str = "router", body: bytes = b"", **kw) -> httpx.Response:
+    target = httpx.URL(url).raw_path.decode()
+    headers = node_signer(role).headers(method, target, body)
+    return httpx.request(method, url, content=body, headers=headers, timeout=kw.pop("timeout", 30), **kw)
+
+
 class Server:
-    """A kvseal process on a free loopback port, killed at teardown."""
+    """A kvseal process on a free loopback port, killed at teardown. Workers and routers get the session's
+    cluster secret unless the args name one (or switch auth off)."""
 
     def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        tls = "--ssl-certfile" in args
+        self.verify = args[args.index("--ssl-ca") + 1] if "--ssl-ca" in args else True
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.worker = args[0] in ("prefill", "decode")
+        if args[0] in ("prefill", "decode", "router") and not {"--cluster-secret-file", "--insecure-no-auth"} & set(args):
+            args = [*args, "--cluster-secret-file", cluster_secret()]
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", *args, "--port", str(self.port)],
                                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -51,16 +88,18 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.proc.stdout.read()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError("server did not become healthy")
+        raise TimeoutError(f"{args[0]} did not become healthy:\n{self.proc.stdout.read()[-3000:]}")
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
+        if self.worker:  # pool details only for signed callers
+            return signed("GET", self.url + "/health", timeout=10, verify=self.verify).json()
+        return httpx.get(self.url + "/health", timeout=10, verify=self.verify).json()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

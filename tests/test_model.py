@@ -171,7 +171,8 @@ def test_logprobs_match_transformers_fp32(fp32_model, fp32_prompts):
         hf = AutoModelForCausalLM.from_pretrained(str(fp32_model.path.parent), gguf_file=fp32_model.path.name,
                                                   dtype=torch.float32)
         x = torch.tensor([ids + [lp.token for lp in ours[:-1]]])
-        return torch.log_softmax(hf(x, attention_mask=torch.ones_like(x)).logits[0, len(ids) - 1:], -1)
+        with torch.no_grad():
+            return torch.log_softmax(hf(x, attention_mask=torch.ones_like(x)).logits[0, len(ids) - 1:], -1)
 
     theirs = off_main_thread(ref)
     assert len(ours) == 8

@@ -1,7 +1,6 @@
 """Preflight: a worker whose KV pool is smaller than its served context refuses to start (the 2026 setup:
 a 1,048,576-token context over a 681,280-token pool), unless the operator caps the context at the pool."""
 
-import httpx
 import pytest
 import torch
 from conftest import Server
@@ -31,6 +30,6 @@ def test_a_worker_below_its_context_does_not_start():
         Server(["decode", "--kv-pool-tokens", "1024", "--context", "2048"], timeout=60)
     capped = Server(["decode", "--kv-pool-tokens", "1024", "--context", "2048", "--allow-pool-below-context"])
     try:
-        assert httpx.get(capped.url + "/health", timeout=10).json()["context_window"] == 1024
+        assert capped.health()["context_window"] == 1024
     finally:
         capped.stop()

@@ -40,11 +40,11 @@ async def late_write_scenario(prot: Protections) -> dict:
             l2 = None
         svc.pool.kv[list(l1.pages)] = 7.0  # prefill's late write for request 1 lands now
         hit = l2 is not None and bool((svc.pool.kv[list(l2.pages)] == 7.0).any())
-        released = await svc.writer_done(P.WriterDone(rid=1, nonce=l1.nonce))
+        released = await svc.writer_done(P.WriterDone(rid=1, nonce=l1.nonce, cap=l1.cap))
         late_commit_refused = True
         try:
             await svc.commit(P.Commit(rid=1, nonce=l1.nonce, n_tokens=20, first_token=0, pages=l1.pages[:2],
-                                      generations=l1.generations[:2], checksum=""))
+                                      generations=l1.generations[:2], checksum="", cap=l1.cap))
             late_commit_refused = False
         except LeaseRevoked:
             pass
@@ -138,7 +138,7 @@ async def abort_during_commit() -> tuple[P.Ack, int]:
         pages, gens = lease.pages[:2], lease.generations[:2]
         digest = P.checksum(svc.pool.kv, pages, 20, 3, lease.nonce, pages, gens, 7)
         commit = P.Commit(rid=3, nonce=lease.nonce, n_tokens=20, first_token=7, pages=pages, generations=gens,
-                          checksum=digest)
+                          checksum=digest, cap=lease.cap)
         gate = threading.Event()
         svc.engine.call(gate.wait)  # hold the engine thread: the commit's verification queues behind it
         committing = asyncio.ensure_future(svc.commit(commit))
@@ -148,7 +148,7 @@ async def abort_during_commit() -> tuple[P.Ack, int]:
         gate.set()
         ack = await committing
         await aborting
-        await svc.writer_done(P.WriterDone(rid=3, nonce=lease.nonce))
+        await svc.writer_done(P.WriterDone(rid=3, nonce=lease.nonce, cap=lease.cap))
         await asyncio.wrap_future(svc.engine.call(svc.pool.check_integrity))
         return ack, svc.pool.num_free
     finally:

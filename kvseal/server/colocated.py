@@ -12,15 +12,16 @@ from kvseal.server.metrics import Metrics
 from kvseal.server.tenants import Tenants
 
 
-def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None) -> tuple[FastAPI, EngineBackend]:
+def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None,
+                  keys_file: str | None = None) -> tuple[FastAPI, EngineBackend]:
     metrics = Metrics()
     engine, lm, sizing = build_engine(spec, metrics=metrics)
     metrics._pool_counts = engine.pool.counts
     print(sizing.table(), flush=True)
     backend = EngineBackend(engine, lm.name, lm.model.cfg.eos_token_ids)
-    return create_app(backend, lm.tokenizer, metrics, Tenants.parse(api_keys or [])), backend
+    return create_app(backend, lm.tokenizer, metrics, Tenants.load(api_keys or [], keys_file)), backend
 
 
-def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str]) -> None:
-    app, _ = colocated_app(spec, api_keys)
+def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str], keys_file: str | None = None) -> None:
+    app, _ = colocated_app(spec, api_keys, keys_file)
     uvicorn.run(app, host=host, port=port, log_level="warning")

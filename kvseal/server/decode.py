@@ -11,6 +11,12 @@ An aborted lease keeps its pages QUARANTINED until the writer says it stopped (`
 A lease never committed within ``lease_ttl`` (its router died after reserving) is aborted the same way, and
 its prefill is asked to forget it: once prefill confirms it is not writing, the pages are freed.
 
+Every lease carries a capability (``P.Capability``) that decode MACs with a key that never leaves it; a
+commit or WriterDone must present it. It is checked without state: a capability for another lease, pages
+outside it, or a writer fenced since (its epoch moved on) are refused (403, 403, 410) before anything else.
+State is bounded: an unknown lease id creates nothing, open leases per writer and per router are capped, and
+so are token streams; a stream belongs to the router that opened it.
+
 Tokens go back multiplexed: each router holds one stream (``/streams/{subscriber}``) and gets one line per
 engine step with every event of its requests, so the per-token cost of the extra hop is paid once per step.
 """
@@ -18,23 +24,41 @@ engine step with every event of its requests, so the per-token cost of the extra
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.errors import ContextLengthError, EngineError, KVIntegrityError, Overloaded
+from kvseal.engine.errors import (
+    BadRequest,
+    ContextLengthError,
+    EngineError,
+    KVIntegrityError,
+    Overloaded,
+    TooManyRequests,
+)
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.faults import Faults
 from kvseal.kv.pool import PageRun, PageState
 from kvseal.server.backend import StepBatcher, pool_health
+from kvseal.server.guard import INSECURE, peer_of
 from kvseal.transfer import protocol as P
+from kvseal.transfer.auth import Forbidden, Peer
+
+STREAMS_PER_ROUTER = 8  # a router holds one; a few more ride out restarts
+
+
+def _cap_bytes(c: P.Capability) -> bytes:
+    return msgspec.msgpack.encode([c.rid, c.nonce, c.decode_id, c.writer, c.epoch, c.pages, c.generations])
 
 
 class Outbox:
@@ -50,6 +74,7 @@ class Outbox:
         self.on_gone = on_gone
         self.readers = 0
         self.gone_at: float | None = None
+        self.owner = ""  # the router node that opened it; no other may read it
 
     def put_nowait(self, ev: Event) -> None:  # StepBatcher delivers here
         if ev.finish_reason is not None:
@@ -93,7 +118,15 @@ class LeaseState:
     committed: bool = False
     aborted: bool = False
     checksum: str = ""
+    router: str = ""  # the node that reserved it
     born: float = field(default_factory=time.monotonic)
+
+
+class WriterFenced(EngineError):
+    """A capability from before its writer was fenced: that writer is dead to this decode."""
+
+    status = 410
+    code = "writer_fenced"
 
 
 class LeaseRevoked(Overloaded):
@@ -110,7 +143,7 @@ def ack_error(e: EngineError) -> Response:
 class DecodeService:
     def __init__(self, engine: Engine, eos_ids: tuple[int, ...], target: str, decode_id: str,
                  faults: Faults | None = None, lease_ttl: float = 0.0, reserve_wait: float = 20.0,
-                 max_waiting: int = 256) -> None:
+                 max_waiting: int = 256, http: dict | None = None, max_leases: int = 2048, max_streams: int = 64) -> None:
         self.engine = engine
         self.pool = engine.pool
         self.eos = frozenset(eos_ids)
@@ -127,13 +160,49 @@ class DecodeService:
         self.max_waiting = max_waiting
         self.waiting_reserves = 0
         self._expiry: asyncio.Task | None = None
-        self.client = httpx.AsyncClient(timeout=5.0)
+        self.client = httpx.AsyncClient(timeout=5.0, **(http or {}))
+        self.cap_key = secrets.token_bytes(32)  # MACs capabilities; never leaves this process
+        self.epochs: dict[str, int] = {}  # writer → epoch; fencing bumps it
+        self.max_leases = max_leases  # open leases per writer and per router
+        self.max_streams = max_streams
 
-    def outbox(self, subscriber: str) -> Outbox:
+    def outbox(self, subscriber: str, peer: Peer | None = INSECURE) -> Outbox:
+        """The router's token stream: opened by the first reserve or stream request, then that router's only."""
         box = self.outboxes.get(subscriber)
+        node = peer.node if peer is not None else ""
         if box is None:
+            if len(self.outboxes) >= self.max_streams:
+                raise TooManyRequests(f"decode serves at most {self.max_streams} router streams")
+            if sum(b.owner == node for b in self.outboxes.values()) >= STREAMS_PER_ROUTER:
+                raise TooManyRequests(f"router {node} has {STREAMS_PER_ROUTER} streams open")
             box = self.outboxes[subscriber] = Outbox(self._ended, self._router_gone)
+            box.owner = node
+        elif box.owner != node and peer is not INSECURE:
+            raise Forbidden(f"stream {subscriber[:16]!r} belongs to another router")
         return box
+
+    # -- capabilities -----------------------------------------------------------------------------------
+    def _mac(self, c: P.Capability) -> str:
+        body = _cap_bytes(c)
+        return hmac.new(self.cap_key, body, hashlib.sha256).hexdigest()
+
+    def grant(self, rid: int, nonce: int, writer: str, run: PageRun) -> P.Capability:
+        c = P.Capability(rid=rid, nonce=nonce, decode_id=self.decode_id, writer=writer,
+                         epoch=self.epochs.get(writer, 0), pages=list(run.pages), generations=list(run.generations))
+        c.mac = self._mac(c)
+        return c
+
+    def check_cap(self, c: P.Capability | None, rid: int, nonce: int, pages: list[int] = ()) -> None:
+        """403 unless ``c`` is a capability this decode granted for this very lease and covers ``pages``; 410 if
+        its writer was fenced since. Stateless: a forged or foreign capability never reaches a lease."""
+        if c is None or not hmac.compare_digest(self._mac(c), c.mac):
+            raise Forbidden(f"request {rid}: no valid lease capability")
+        if c.rid != rid or c.nonce != nonce or c.decode_id != self.decode_id:
+            raise Forbidden(f"request {rid}: the capability is for another lease")
+        if not set(pages) <= set(c.pages):
+            raise Forbidden(f"request {rid}: pages outside the lease")
+        if c.epoch != self.epochs.get(c.writer, 0):
+            raise WriterFenced(f"request {rid}: writer {c.writer} was fenced")
 
     def _router_gone(self, box: Outbox) -> None:
         asyncio.ensure_future(self._orphaned(box, box.gone_at))
@@ -159,8 +228,9 @@ class DecodeService:
             self.leases.pop(ev.rid, None)
 
     # -- reserve ----------------------------------------------------------------------------------------
-    async def reserve(self, r: P.Reserve) -> P.Lease:
+    async def reserve(self, r: P.Reserve, peer: Peer | None = INSECURE) -> P.Lease:
         self.faults.crash("crash_at_reserve")
+        self._bound_leases(r.prefill_id, peer.node if peer else "")
         if self.faults.fire("delay_reserve"):
             await asyncio.sleep(self.faults.delay)
         n = len(r.prompt) + r.max_new
@@ -170,12 +240,27 @@ class DecodeService:
         run = await self._take_pages(r.rid, self.pool.cfg.pages_for(len(r.prompt)))
         if self.lease_ttl and self._expiry is None:
             self._expiry = asyncio.ensure_future(self._expire_loop())
-        box = self.outbox(r.subscriber)
-        st = LeaseState(r, run, secrets.randbits(62), box, self.batcher.sink_for(box))
+        try:
+            box = self.outbox(r.subscriber, peer)
+        except EngineError:
+            self.engine.call(lambda: self.pool.free(run))
+            raise
+        st = LeaseState(r, run, secrets.randbits(62), box, self.batcher.sink_for(box),
+                        router=peer.node if peer else "")
         self.leases[r.rid] = st
         return P.Lease(rid=r.rid, nonce=st.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
-                       layout=list(self.pool.kv.shape))
+                       layout=list(self.pool.kv.shape), cap=self.grant(r.rid, st.nonce, r.prefill_id, run))
+
+    def _bound_leases(self, writer: str, router: str) -> None:
+        if len(self.leases) < self.max_leases:
+            return
+        if len(self.leases) >= 4 * self.max_leases:
+            raise TooManyRequests(f"{len(self.leases)} leases open on this decode")
+        if sum(st.reserve.prefill_id == writer for st in self.leases.values()) >= self.max_leases:
+            raise TooManyRequests(f"{self.max_leases} leases open for writer {writer}")
+        if sum(st.router == router for st in self.leases.values()) >= self.max_leases:
+            raise TooManyRequests(f"{self.max_leases} leases open for router {router}")
 
     async def _take_pages(self, rid: int, need: int) -> PageRun:
         """The prompt's pages, RESERVED for the lease (decode grows them as it generates). A pool that has
@@ -203,6 +288,7 @@ class DecodeService:
     # -- commit -----------------------------------------------------------------------------------------
     async def commit(self, c: P.Commit) -> P.Ack:
         self.faults.crash("crash_at_commit")
+        self.check_cap(c.cap, c.rid, c.nonce, c.pages)
         st = self.leases.get(c.rid)
         if st is None or st.nonce != c.nonce or st.aborted:
             why = "no lease" if st is None else ("wrong nonce" if st.nonce != c.nonce else "lease revoked")
@@ -277,16 +363,18 @@ class DecodeService:
             await asyncio.wrap_future(self.engine.call(q))
             st.queue.put_nowait(Event(a.rid, (), "abort"))  # loop thread: straight to the queue
         if a.writer_done and st.aborted and not st.committed:
-            await self.writer_done(P.WriterDone(rid=a.rid, nonce=st.nonce))
+            await self._writer_done(P.WriterDone(rid=a.rid, nonce=st.nonce))
         return {"found": True}
 
     async def fence(self, f: P.Fence) -> dict:
-        """The writer is dead: its leases are revoked (late commits refused) and their pages freed."""
+        """The writer is dead: its epoch moves on (whatever it sends from now on is 410), its leases are
+        revoked and their pages freed."""
+        self.epochs[f.prefill_id] = self.epochs.get(f.prefill_id, 0) + 1
         n = 0
         for rid, st in list(self.leases.items()):
             if st.reserve.prefill_id == f.prefill_id and not st.committed:
                 await self.abort(P.Abort(rid=rid))
-                await self.writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
+                await self._writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
                 n += 1
         return {"fenced": n}
 
@@ -314,9 +402,14 @@ class DecodeService:
             except (httpx.HTTPError, ValueError, KeyError):
                 continue
             if not writing and not st.committed:
-                await self.writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
+                await self._writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
 
     async def writer_done(self, w: P.WriterDone) -> dict:
+        """The writer's own word (it must present the lease's capability)."""
+        self.check_cap(w.cap, w.rid, w.nonce)
+        return await self._writer_done(w)
+
+    async def _writer_done(self, w: P.WriterDone) -> dict:
         st = self.leases.get(w.rid)
         if st is None or st.nonce != w.nonce:
             return {"released": False}
@@ -334,10 +427,15 @@ def decode_app(svc: DecodeService) -> FastAPI:
     async def _err(_: Request, e: EngineError) -> Response:
         return ack_error(e)
 
+    @app.exception_handler(msgspec.ValidationError)
+    @app.exception_handler(msgspec.DecodeError)
+    async def _bad(_: Request, e: Exception) -> Response:  # a signed peer sent a malformed message
+        return ack_error(BadRequest(f"malformed message: {e}"))
+
     @app.post("/kv/reserve")
     async def reserve(request: Request) -> Response:
-        return Response(P.encode(await svc.reserve(P.decode(await request.body(), P.Reserve))),
-                        media_type="application/json")
+        lease = await svc.reserve(P.decode(await request.body(), P.Reserve), peer_of(request))
+        return Response(P.encode(lease), media_type="application/json")
 
     @app.post("/kv/commit")
     async def commit(request: Request) -> Response:
@@ -357,11 +455,14 @@ def decode_app(svc: DecodeService) -> FastAPI:
         return JSONResponse(await svc.fence(P.decode(await request.body(), P.Fence)))
 
     @app.get("/streams/{subscriber}")
-    async def streams(subscriber: str) -> StreamingResponse:
-        return StreamingResponse(svc.outbox(subscriber).lines(svc.heartbeat), media_type="application/x-ndjson")
+    async def streams(subscriber: str, request: Request) -> StreamingResponse:
+        box = svc.outbox(subscriber, peer_of(request))
+        return StreamingResponse(box.lines(svc.heartbeat), media_type="application/x-ndjson")
 
     @app.get("/health")
-    async def health(quick: bool = False) -> JSONResponse:
+    async def health(request: Request, quick: bool = False) -> JSONResponse:
+        if peer_of(request) is None:  # unsigned: liveness only, no pool details
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick), "leases": len(svc.leases)})
 
     return app

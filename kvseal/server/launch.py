@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import httpx
 
 from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec
+from kvseal.transfer.auth import write_secret_file
 
 
 def _worker_argv(a: argparse.Namespace) -> list[str]:
@@ -42,20 +45,24 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     del spec  # validated already; the workers re-parse the same flags
     ports = {"prefill": a.port + 1, "decode": a.port + 2}
     procs = []
+    private = Path(tempfile.mkdtemp(prefix="kvseal-"))  # 0700: the secret of this cluster of three processes
+    secret = ["--cluster-secret-file", str(write_secret_file(private / "cluster-secret"))]
     for role, port in ports.items():
         argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
-                "--transport", a.transport, *_worker_argv(a)]
+                "--transport", a.transport, *secret, *_worker_argv(a)]
         procs.append(subprocess.Popen(argv))
     try:
         for role, port in ports.items():
             _wait_healthy(f"http://{a.host}:{port}", procs)
-        router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port),
+        router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port), *secret,
                   "--prefill", f"http://{a.host}:{ports['prefill']}", "--decode", f"http://{a.host}:{ports['decode']}"]
         if a.model:
             router += ["--model", a.model]
         router += [f for f in _worker_argv(a) if f.startswith("--unsafe")]
         for k in a.api_key:
             router += ["--api-key", k]
+        if a.api_keys:
+            router += ["--api-keys", a.api_keys]
         procs.append(subprocess.Popen(router))
         print(f"kvseal: router on http://{a.host}:{a.port} (prefill :{ports['prefill']}, decode :{ports['decode']})",
               flush=True)
@@ -74,6 +81,7 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
                 p.kill()
         if a.share_cores in (None, "auto"):
             Path(_core_lock_path(a)).unlink(missing_ok=True)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _core_lock_path(a: argparse.Namespace) -> str:

@@ -14,16 +14,18 @@ import time
 from collections.abc import Callable
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.errors import ContextLengthError, EngineError
+from kvseal.engine.errors import BadRequest, ContextLengthError, EngineError
 from kvseal.engine.sampling import Logprob, SamplingParams
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.faults import Faults
 from kvseal.server.backend import pool_health
 from kvseal.server.decode import ack_error
+from kvseal.server.guard import peer_of
 from kvseal.transfer import protocol as P
 
 
@@ -32,16 +34,22 @@ class LeaseExpired(EngineError):
     code = "lease_expired"
 
 
+FORGOTTEN_MAX = 100_000
+
+
 class PrefillService:
-    def __init__(self, engine: Engine, writer: object, prefill_id: str, faults: Faults | None = None) -> None:
+    def __init__(self, engine: Engine, writer: object, prefill_id: str, faults: Faults | None = None,
+                 http: dict | None = None) -> None:
         self.engine = engine
         self.writer = writer
         self.prefill_id = prefill_id
         self.faults = faults or Faults()
-        self.client = httpx.AsyncClient(timeout=30)
+        self.client = httpx.AsyncClient(timeout=30, **(http or {}))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pending: dict[int, tuple[P.Prefill, asyncio.Future]] = {}
-        self.forgotten: set[int] = set()  # nonces of leases decode expired: never written, never committed
+        # nonces of leases withdrawn before they were written: refused for good. Bounded, oldest dropped: a lease
+        # that old is long gone on decode, which refuses its commit anyway.
+        self.forgotten: dict[int, None] = {}
         engine.handoff = self.handoff
 
     async def prefill(self, p: P.Prefill) -> P.Ack:
@@ -76,7 +84,9 @@ class PrefillService:
         """Stop, or never start, writing into this lease: decode expired it, or the router gave up on it.
         Nothing written yet (not here, queued, or prefilling): it is stopped and refused for good, so the pages
         may be freed now. Already writing or committing: the commit will be refused and WriterDone follows."""
-        self.forgotten.add(f.nonce)  # first: an admission racing with this call sees it on the engine thread
+        self.forgotten[f.nonce] = None  # first: an admission racing with this call sees it on the engine thread
+        if len(self.forgotten) > FORGOTTEN_MAX:
+            del self.forgotten[next(iter(self.forgotten))]
         entry = self.pending.get(f.rid)
         if entry is None or entry[0].lease.nonce != f.nonce:
             return {"writing": False}
@@ -131,7 +141,7 @@ class PrefillService:
         if self.faults.fire("corrupt_commit"):
             first = (first + 1) % self.engine.model.cfg.vocab_size  # the message changed after it was hashed
         commit = P.Commit(rid=seq.rid, nonce=lease.nonce, n_tokens=n, first_token=first, pages=dst,
-                          generations=lease.generations[:k], checksum=digest)
+                          generations=lease.generations[:k], checksum=digest, cap=lease.cap)
         late_write = (lambda: self._write(src, lease, dst)) if late else None
         lp = seq.logprob
         self.loop.call_soon_threadsafe(
@@ -183,7 +193,8 @@ class PrefillService:
 
     async def _writer_done(self, p: P.Prefill, nonce: int) -> None:
         try:
-            await self.client.post(p.decode_url + "/kv/writer_done", content=P.encode(P.WriterDone(rid=p.rid, nonce=nonce)))
+            done = P.WriterDone(rid=p.rid, nonce=nonce, cap=p.lease.cap)
+            await self.client.post(p.decode_url + "/kv/writer_done", content=P.encode(done))
         except httpx.HTTPError:
             pass  # decode gone: nothing left to release there
 
@@ -195,6 +206,11 @@ def prefill_app(svc: PrefillService) -> FastAPI:
     async def _err(_: Request, e: EngineError) -> Response:
         return ack_error(e)
 
+    @app.exception_handler(msgspec.ValidationError)
+    @app.exception_handler(msgspec.DecodeError)
+    async def _bad(_: Request, e: Exception) -> Response:  # a signed peer sent a malformed message
+        return ack_error(BadRequest(f"malformed message: {e}"))
+
     @app.post("/prefill")
     async def prefill(request: Request) -> Response:
         ack = await svc.prefill(P.decode(await request.body(), P.Prefill))
@@ -205,7 +221,9 @@ def prefill_app(svc: PrefillService) -> FastAPI:
         return JSONResponse(await svc.forget(P.decode(await request.body(), P.Forget)))
 
     @app.get("/health")
-    async def health(quick: bool = False) -> JSONResponse:
+    async def health(request: Request, quick: bool = False) -> JSONResponse:
+        if peer_of(request) is None:  # unsigned: liveness only, no pool details
+            return JSONResponse({"status": "ok"})
         if svc.pending and svc.faults.fire("slow_health"):  # a probe stuck behind work in flight
             await asyncio.sleep(svc.faults.delay)
         return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick)})

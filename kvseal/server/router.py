@@ -80,7 +80,7 @@ class DisaggBackend:
 
     def __init__(self, prefill: list[str], decode: list[str], model_name: str, timeout: float = 30.0,
                  protections: Protections | None = None, faults: Faults | None = None, probe_timeout: float = 5.0,
-                 max_inflight: int = 256, queue_timeout: float = 120.0) -> None:
+                 max_inflight: int = 256, queue_timeout: float = 120.0, http: dict | None = None) -> None:
         self.prefills = [Worker(u.rstrip("/"), "prefill") for u in prefill]
         self.decodes = [Worker(u.rstrip("/"), "decode") for u in decode]
         self.model_name = model_name
@@ -88,7 +88,7 @@ class DisaggBackend:
         self.prot = protections or Protections()
         self.faults = faults or Faults()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0),
-                                        limits=httpx.Limits(max_connections=512))
+                                        limits=httpx.Limits(max_connections=512), **(http or {}))
         self.context_window = 0
         self.pool_tokens = 0
         self._tasks: set[asyncio.Task] = set()

@@ -5,6 +5,9 @@ client, and travels with the request to every worker (a future prefix cache woul
 
 from __future__ import annotations
 
+import hmac
+from pathlib import Path
+
 from kvseal.engine.errors import BadRequest
 
 
@@ -28,10 +31,20 @@ class Tenants:
             keys[key] = tenant
         return cls(keys)
 
+    @classmethod
+    def load(cls, specs: list[str], path: str | None = None) -> Tenants:
+        """``--api-key`` pairs plus a file of ``KEY=TENANT`` lines (``#`` comments): keys out of ``ps``."""
+        lines = Path(path).read_text().splitlines() if path else []
+        return cls.parse([*specs, *(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))])
+
     def authenticate(self, authorization: str | None) -> str:
         if not self.keys:
             return "default"
-        token = (authorization or "").removeprefix("Bearer ").strip()
-        if token not in self.keys:
+        token = (authorization or "").removeprefix("Bearer ").strip().encode()
+        tenant = None
+        for key, t in self.keys.items():  # every key compared, in constant time: no timing oracle on keys
+            if hmac.compare_digest(key.encode(), token):
+                tenant = t
+        if tenant is None:
             raise Unauthorized("invalid or missing API key")
-        return self.keys[token]
+        return tenant

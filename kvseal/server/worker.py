@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 from contextlib import asynccontextmanager
 
 import uvicorn
 
 from kvseal.engine.build import WorkerSpec, build_engine
 from kvseal.faults import Faults
+from kvseal.server.guard import Guard
 from kvseal.server.metrics import Metrics
+from kvseal.transfer.auth import cluster_auth
 
 
 def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str, lease_ttl: float = 0.0,
-                 mooncake: object = None) -> None:
+                 mooncake: object = None, auth: tuple = (None, {}), tls: tuple = (None, None)) -> None:
+    verifier, http = auth
+    scheme = "https" if tls[0] else "http"
     metrics = Metrics()
     if role == "decode":
         from kvseal.server.decode import DecodeService, decode_app
@@ -24,15 +29,18 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         engine, lm, sizing = build_engine(spec, role="decode", storage=pool.create, metrics=metrics)
         target = str(pool.path) if transport == "shm" else pool.target
         app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}",
-                                       Faults.from_env(), lease_ttl))
+                                       Faults.from_env(), lease_ttl, http=http))
     else:
         from kvseal.server.prefill import PrefillService, prefill_app
 
         engine, lm, sizing = build_engine(spec, role="prefill", metrics=metrics)
-        app = prefill_app(PrefillService(engine, _writer(transport, host, mooncake), f"http://{host}:{port}", Faults.from_env()))
-    print(f"{role} worker on {host}:{port}\n{sizing.table()}", flush=True)
+        app = prefill_app(PrefillService(engine, _writer(transport, host, mooncake), f"{scheme}://{host}:{port}",
+                                         Faults.from_env(), http=http))
+    print(f"{role} worker on {host}:{port}{'' if verifier else ' (INSECURE: no request signing)'}\n"
+          f"{sizing.table()}", flush=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.run(Guard(app, verifier), host=host, port=port, log_level="warning", ssl_certfile=tls[0],
+                    ssl_keyfile=tls[1])
     finally:
         if role == "decode":
             pool.close()
@@ -45,7 +53,7 @@ def _decode_pool(transport: str, host: str, port: int, mooncake: object) -> obje
         return MooncakePool(host, mooncake)
     from kvseal.transfer.shm import ShmPool
 
-    return ShmPool(f"kvseal-decode-{port}-{os.getpid()}")
+    return ShmPool(f"kvseal-decode-{port}-{os.getpid()}-{secrets.token_hex(8)}")
 
 
 def _writer(transport: str, host: str, mooncake: object) -> object:
@@ -70,11 +78,12 @@ def serve_router(a: argparse.Namespace) -> None:
     name = path.stem if path.is_file() else path.name
     from kvseal.cli import protections
 
+    _, http = cluster_auth(a, "router", f"router@{a.host}:{a.port}")
     backend = DisaggBackend(a.prefill, a.decode, name, timeout=a.timeout, protections=protections(a),
                             faults=Faults.from_env(), probe_timeout=a.probe_timeout, max_inflight=a.max_inflight,
-                            queue_timeout=a.queue_timeout)
+                            queue_timeout=a.queue_timeout, http=http)
     metrics = Metrics()
-    app = create_app(backend, load_tokenizer(path), metrics, Tenants.parse(a.api_key))
+    app = create_app(backend, load_tokenizer(path), metrics, Tenants.load(a.api_key, a.api_keys))
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -84,4 +93,5 @@ def serve_router(a: argparse.Namespace) -> None:
         task.cancel()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning", ssl_certfile=a.ssl_certfile,
+                ssl_keyfile=a.ssl_keyfile)

@@ -23,7 +23,8 @@ from kvseal.engine.errors import EngineError
 from kvseal.engine.sampling import Logprob
 
 VERSION = 4  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout;
-# 4: every sampling parameter travels (SamplingParams.to_wire), logprobs ride with tokens
+# 4: every sampling parameter travels (SamplingParams.to_wire), logprobs ride with tokens, leases carry a
+# capability that commits and WriterDone must present
 
 
 class Msg(msgspec.Struct, kw_only=True):
@@ -50,6 +51,21 @@ class TokenEvent(msgspec.Struct, array_like=True):
     logprobs: list[Logprob] | None = None  # one per token, when the request asked for them
 
 
+class Capability(msgspec.Struct, kw_only=True):
+    """What a lease lets its writer touch, MACed by decode with a key that never leaves it: decode verifies it
+    without any state, so a capability for one lease cannot commit another, name pages outside it, or outlive
+    its writer's fencing (the writer's epoch moved on)."""
+
+    rid: int
+    nonce: int
+    decode_id: str
+    writer: str  # the prefill the router chose (its URL as the router knows it)
+    epoch: int  # the writer's epoch on decode when the lease was granted; fencing bumps it
+    pages: list[int]
+    generations: list[int]
+    mac: str = ""
+
+
 class Lease(Msg):
     rid: int
     nonce: int
@@ -59,6 +75,7 @@ class Lease(Msg):
     decode_id: str
     target: str  # transport address of the decode pool (shm path or mooncake session)
     layout: list[int]  # pool shape, checked by the writer
+    cap: Capability | None = None
 
 
 class Prefill(Msg):
@@ -80,6 +97,7 @@ class Commit(Msg):
     pages: list[int]
     generations: list[int]
     checksum: str
+    cap: Capability | None = None
 
 
 class Ack(Msg):
@@ -104,6 +122,7 @@ class Fence(Msg):
 class WriterDone(Msg):
     rid: int
     nonce: int
+    cap: Capability | None = None
 
 
 class Forget(Msg):

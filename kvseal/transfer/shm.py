@@ -1,8 +1,9 @@
 """The ``shm`` transport: the decode pool lives in a shared-memory file; prefill maps it and copies pages in.
 
 The pool is page-major (``[page, L, 2, KVH, slot, D]``), so a run of pages consecutive on both sides is
-one contiguous copy. The file name derives from the decode worker's port and pid, so two decode workers
-never share a pool.
+one contiguous copy. The file name carries the decode worker's port and pid and 64 random bits, so two
+decode workers never share a pool and nobody guesses it; it is created 0600 (only this user's processes, the
+prefill among them, may map it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ShmPool:
         shape = pool_shape(cfg, m)
         n = math.prod(shape)
         self.path.unlink(missing_ok=True)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         t = torch.from_file(str(self.path), shared=True, size=n, dtype=dtype)
         return t.view(shape)
 

@@ -1,0 +1,93 @@
+"""The door of a worker: every request is size-checked and authenticated before any handler sees it.
+
+A pure ASGI middleware, so nothing (routing, JSON parsing, a handler's state) runs for a request that is too
+big (413) or not signed by a node allowed on that route (401/403; ``kvseal.transfer.auth``). It reads the
+body once, checks it, and hands the same bytes to the app. Handlers find the signer in
+``request.state.peer``: ``None`` on an open route called without a signature (``/health``: liveness only).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+
+from kvseal.engine.errors import EngineError
+from kvseal.transfer.auth import H_SIG, OPEN, Peer, Verifier
+
+MAX_BODY = 8 << 20  # a Reserve or Prefill carries a prompt (≤ context tokens) and maybe a grammar
+INSECURE = Peer("*", "insecure")  # auth switched off (tests and the signing-cost benchmark only)
+
+
+class PayloadTooLarge(EngineError):
+    status = 413
+    code = "payload_too_large"
+
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class Guard:
+    def __init__(self, app: Callable, verifier: Verifier | None, max_body: int = MAX_BODY) -> None:
+        self.app, self.verifier, self.max_body = app, verifier, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            return await reject(send, PayloadTooLarge(f"body over {self.max_body} bytes"))
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            body += msg.get("body", b"")
+            if len(body) > self.max_body:
+                return await reject(send, PayloadTooLarge(f"body over {self.max_body} bytes"))
+            if not msg.get("more_body"):
+                break
+        try:
+            peer = self.authenticate(scope, headers, bytes(body))
+        except EngineError as e:
+            return await reject(send, e)
+        scope.setdefault("state", {})["peer"] = peer
+        return await self.app(scope, replay(bytes(body), receive), send)
+
+    def authenticate(self, scope: Scope, headers: dict[str, str], body: bytes) -> Peer | None:
+        if self.verifier is None:
+            return INSECURE
+        path = scope["path"]
+        if path in OPEN and H_SIG not in headers:
+            return None
+        query = scope.get("query_string", b"").decode("latin-1")
+        target = scope.get("raw_path", path.encode()).decode("latin-1") + (f"?{query}" if query else "")
+        return self.verifier.check(scope["method"], path, target, headers, body)
+
+
+def peer_of(request: object) -> Peer | None:
+    """The authenticated signer of a request (``INSECURE`` where no Guard runs: in-process tests)."""
+    return getattr(request.state, "peer", INSECURE)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """The body already read, once; then the connection's own messages (a disconnect, for streams)."""
+    sent = False
+
+    async def again() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+async def reject(send: Send, e: EngineError) -> None:
+    body = json.dumps({"error": e.to_dict()}).encode()
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
