@@ -13,6 +13,7 @@ import argparse
 import collections
 import json
 import random
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,7 @@ def run(seed: int, faults: bool, dtype: str, requests: int, clients: int) -> dic
         pools = {name: {k: s.health().get(k) for k in ("free_pages", "total_pages", "running", "waiting")}
                  for name, s in (("prefill", t.pre), ("decode", t.dec))}
     codes = collections.Counter(c for c, _, _ in out)
-    errors = collections.Counter(f"{c} {m}" for c, _, m in out if c != 200)
+    errors = collections.Counter(re.sub(r"\d{6,}", "N", f"{c} {m}") for c, _, m in out if c != 200)
     return {"seed": seed, "faults": faults, "dtype": dtype, "requests": requests, "clients": clients,
             "wall_s": round(wall, 1), "codes": dict(codes), "errors": dict(errors.most_common(8)),
             "max_latency_s": round(max(d for _, d, _ in out), 2),

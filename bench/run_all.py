@@ -3,8 +3,9 @@
 1. colocated vs disaggregated (shm) at 1, 8, 32 streams × (128 prompt, 128 output), with HF ``generate``.
 2. disaggregated vs colocated, interleaved repetitions at 32 streams (the 0.9x figure).
 3. hardened vs all protections off (disaggregated), interleaved repetitions at 8 and 32 streams.
-4. micro-costs of each protection on the hot path (bench/protections.py) and the transfer bandwidths.
-Takes ~20 minutes on 2 cores (``--parts`` picks a subset).
+4. signed vs unsigned internal requests (disaggregated), interleaved repetitions at 8 and 32 streams.
+5. micro-costs of each protection on the hot path (bench/protections.py) and the transfer bandwidths.
+Takes ~25 minutes on 2 cores (``--parts`` picks a subset).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def ratio(a: dict, b: dict, key: str) -> dict:
     return {str(x["streams"]): x[key] / y[key] for x, y in zip(a["levels"], b["levels"])}
 
 
-PARTS = ("serving", "disagg", "protections", "micro")
+PARTS = ("serving", "disagg", "protections", "signing", "micro")
 
 
 def serving(summary: dict) -> None:
@@ -121,6 +122,12 @@ def protections(summary: dict, reps: int, streams: str) -> None:
     record(summary, "hardened", "unsafe", interleaved(("hardened", []), ("unsafe", ["--unsafe-no-all"]), reps, streams))
 
 
+def signing(summary: dict, reps: int, streams: str) -> None:
+    """Every internal request signed and checked vs none (both disaggregated): the issue's ≥ 0.99 figure."""
+    record(summary, "signed", "unsigned", interleaved(("signed", []), ("unsigned", ["--insecure-no-auth"]), reps,
+                                                      streams))
+
+
 def disagg(summary: dict, reps: int, streams: str) -> None:
     """Disaggregated (router + prefill + decode, shm) vs colocated, the issue's 0.9x figure."""
     r = interleaved(("disaggregated", []), ("colocated", ["--colocated"]), reps, streams)
@@ -151,6 +158,8 @@ def main() -> None:
         disagg(summary, a.reps, a.disagg_streams)
     if "protections" in parts:
         protections(summary, a.reps, a.prot_streams)
+    if "signing" in parts:
+        signing(summary, a.reps, a.prot_streams)
     if "micro" in parts:
         micro(summary)
     OUT.mkdir(parents=True, exist_ok=True)

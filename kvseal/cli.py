@@ -97,6 +97,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
     s.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
     s.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+    s.add_argument("--insecure-no-auth", action="store_true", help=argparse.SUPPRESS)
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"a {role} worker")
         add_worker_args(w)

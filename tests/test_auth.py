@@ -169,6 +169,20 @@ def test_a_commit_must_present_its_own_lease_capability():
                  "writer_done_after_fence": 410}, r
 
 
+def test_an_expired_capability_is_gone():
+    async def run() -> int:
+        dec, _ = services()
+        dec.lease_ttl = 0.05
+        try:
+            a = await dec.reserve(reserve(1))
+            await asyncio.sleep(0.1)
+            return await status_of(dec.commit(commit_for(a, a.cap)))
+        finally:
+            dec.engine.stop()
+
+    assert asyncio.run(run()) == 410
+
+
 def test_without_the_capability_check_a_writer_commits_into_another_lease():
     r = asyncio.run(capability_scenario(check=False))
     assert r["other_lease"] != 403 and r["no_cap"] != 403 and r["commit_after_fence"] != 410, r
@@ -325,3 +339,21 @@ def test_a_write_into_another_lease_is_caught_by_the_checksum_never_served():
 
 def test_without_the_checksum_the_foreign_bytes_are_served():
     assert asyncio.run(foreign_write_scenario(checksum=False)).ok
+
+
+# -- front door ----------------------------------------------------------------------------------------------
+def test_api_keys_from_a_file_and_no_client_chosen_tenant(tmp_path, colocated):
+    from kvseal.server.tenants import Tenants, Unauthorized
+
+    f = tmp_path / "keys"
+    f.write_text("# operator's keys\nkey-a=tenant-a\n\nkey-b=tenant-b\n")
+    t = Tenants.load(["key-c=tenant-c"], str(f))
+    assert [t.authenticate(f"Bearer key-{x}") for x in "abc"] == ["tenant-a", "tenant-b", "tenant-c"]
+    with pytest.raises(Unauthorized):
+        t.authenticate("Bearer key-d")
+    r = httpx.post(colocated.url + "/v1/completions", content=b" " * (17 << 20), timeout=60)
+    assert r.status_code == 413  # the front door bounds bodies too
+    for field in ("tenant", "cache_salt", "worker"):  # nothing in the body picks a tenant, salt or worker
+        r = httpx.post(colocated.url + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 1, field: "tenant-b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field

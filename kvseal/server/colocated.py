@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from kvseal.engine.build import WorkerSpec, build_engine
 from kvseal.server.api import create_app
 from kvseal.server.backend import EngineBackend
+from kvseal.server.guard import FRONT_MAX_BODY, Guard
 from kvseal.server.metrics import Metrics
 from kvseal.server.tenants import Tenants
 
@@ -24,4 +25,4 @@ def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None,
 
 def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str], keys_file: str | None = None) -> None:
     app, _ = colocated_app(spec, api_keys, keys_file)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(Guard(app, None, FRONT_MAX_BODY), host=host, port=port, log_level="warning")

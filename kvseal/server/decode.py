@@ -58,7 +58,8 @@ STREAMS_PER_ROUTER = 8  # a router holds one; a few more ride out restarts
 
 
 def _cap_bytes(c: P.Capability) -> bytes:
-    return msgspec.msgpack.encode([c.rid, c.nonce, c.decode_id, c.writer, c.epoch, c.pages, c.generations])
+    return msgspec.msgpack.encode([c.rid, c.nonce, c.decode_id, c.writer, c.epoch, c.pages, c.generations,
+                                   c.expires])
 
 
 class Outbox:
@@ -188,7 +189,8 @@ class DecodeService:
 
     def grant(self, rid: int, nonce: int, writer: str, run: PageRun) -> P.Capability:
         c = P.Capability(rid=rid, nonce=nonce, decode_id=self.decode_id, writer=writer,
-                         epoch=self.epochs.get(writer, 0), pages=list(run.pages), generations=list(run.generations))
+                         epoch=self.epochs.get(writer, 0), pages=list(run.pages), generations=list(run.generations),
+                         expires=time.time() + self.lease_ttl if self.lease_ttl else 0.0)
         c.mac = self._mac(c)
         return c
 
@@ -203,6 +205,8 @@ class DecodeService:
             raise Forbidden(f"request {rid}: pages outside the lease")
         if c.epoch != self.epochs.get(c.writer, 0):
             raise WriterFenced(f"request {rid}: writer {c.writer} was fenced")
+        if c.expires and time.time() > c.expires:
+            raise WriterFenced(f"request {rid}: the lease expired")
 
     def _router_gone(self, box: Outbox) -> None:
         asyncio.ensure_future(self._orphaned(box, box.gone_at))

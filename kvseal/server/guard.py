@@ -15,6 +15,7 @@ from kvseal.engine.errors import EngineError
 from kvseal.transfer.auth import H_SIG, OPEN, Peer, Verifier
 
 MAX_BODY = 8 << 20  # a Reserve or Prefill carries a prompt (≤ context tokens) and maybe a grammar
+FRONT_MAX_BODY = 16 << 20  # the OpenAI door: a completions batch of long prompts, or a large schema
 INSECURE = Peer("*", "insecure")  # auth switched off (tests and the signing-cost benchmark only)
 
 
@@ -29,6 +30,8 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 class Guard:
+    """``verifier=None``: the size limit only (the OpenAI front door, whose callers hold API keys instead)."""
+
     def __init__(self, app: Callable, verifier: Verifier | None, max_body: int = MAX_BODY) -> None:
         self.app, self.verifier, self.max_body = app, verifier, max_body
 

@@ -47,6 +47,8 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     procs = []
     private = Path(tempfile.mkdtemp(prefix="kvseal-"))  # 0700: the secret of this cluster of three processes
     secret = ["--cluster-secret-file", str(write_secret_file(private / "cluster-secret"))]
+    if a.insecure_no_auth:  # the signing-cost benchmark only (the workers refuse it without KVSEAL_UNSAFE=1)
+        secret = ["--insecure-no-auth"]
     for role, port in ports.items():
         argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
                 "--transport", a.transport, *secret, *_worker_argv(a)]

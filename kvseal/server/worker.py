@@ -12,7 +12,7 @@ import uvicorn
 
 from kvseal.engine.build import WorkerSpec, build_engine
 from kvseal.faults import Faults
-from kvseal.server.guard import Guard
+from kvseal.server.guard import FRONT_MAX_BODY, Guard
 from kvseal.server.metrics import Metrics
 from kvseal.transfer.auth import cluster_auth
 
@@ -93,5 +93,6 @@ def serve_router(a: argparse.Namespace) -> None:
         task.cancel()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=a.host, port=a.port, log_level="warning", ssl_certfile=a.ssl_certfile,
+    uvicorn.run(Guard(app, None, FRONT_MAX_BODY), host=a.host, port=a.port, log_level="warning",
+                ssl_certfile=a.ssl_certfile,
                 ssl_keyfile=a.ssl_keyfile)

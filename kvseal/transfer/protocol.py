@@ -54,7 +54,7 @@ class TokenEvent(msgspec.Struct, array_like=True):
 class Capability(msgspec.Struct, kw_only=True):
     """What a lease lets its writer touch, MACed by decode with a key that never leaves it: decode verifies it
     without any state, so a capability for one lease cannot commit another, name pages outside it, or outlive
-    its writer's fencing (the writer's epoch moved on)."""
+    its writer's fencing (the writer's epoch moved on) or its expiry."""
 
     rid: int
     nonce: int
@@ -63,6 +63,7 @@ class Capability(msgspec.Struct, kw_only=True):
     epoch: int  # the writer's epoch on decode when the lease was granted; fencing bumps it
     pages: list[int]
     generations: list[int]
+    expires: float = 0.0  # wall-clock seconds after which a commit is refused (0: the lease has no TTL)
     mac: str = ""
 
 
