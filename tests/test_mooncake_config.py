@@ -35,8 +35,7 @@ def test_tcp_engine_starts(tmp_path):
 
 def test_a_mooncake_write_outside_registered_memory_is_refused():
     """The data plane's own fence (Mooncake#2313/#2314): a peer can write only into memory the receiver
-    registered. Within it (the whole decode pool) a peer holding the cluster's access can still write anywhere;
-    checksums and tags catch that (tests/test_auth.py), they cannot prevent it."""
+    registered."""
     import torch
 
     dec, pre = _engine("127.0.0.1"), _engine("127.0.0.1")
@@ -47,3 +46,32 @@ def test_a_mooncake_write_outside_registered_memory_is_refused():
     assert pre.transfer_sync_write(session, src.data_ptr(), pool.data_ptr() + 100, 64) == 0 and pool[100] == 7
     assert pre.transfer_sync_write(session, src.data_ptr(), other.data_ptr() + 100, 64) != 0 and other[100] == 0
     assert pre.transfer_sync_write(session, src.data_ptr(), pool.data_ptr() + pool.nbytes - 32, 64) != 0
+
+
+def test_decode_registers_only_open_leases():
+    """Decode exposes a lease's pages while it takes writes, and withdraws them at commit or abort: a write
+    into a page of no open lease (free, or a running request's) is refused by Mooncake itself."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvseal.config import PoolConfig
+    from kvseal.transfer.mooncake import MooncakePool
+
+    pool = MooncakePool("127.0.0.1")
+    kv = pool.create(PoolConfig(num_pages=8, page_size=16), SimpleNamespace(num_layers=2, num_kv_heads=1,
+                                                                            head_dim=8), torch.float32)
+    pre = _engine("127.0.0.1")
+    src = torch.full((4096,), 7, dtype=torch.uint8)
+    assert pre.register_memory(src.data_ptr(), 4096) == 0
+    session, page = f"127.0.0.1:{pool.engine.get_rpc_port()}", kv[0].nbytes
+
+    def write(p: int) -> int:
+        return pre.transfer_sync_write(session, src.data_ptr(), kv.data_ptr() + p * page, 64)
+
+    assert write(2) != 0  # nothing leased yet: nothing writable
+    pool.expose(1, [2, 3, 6])
+    assert write(2) == 0 and write(6) == 0 and write(5) != 0  # the lease's pages only
+    pool.conceal(1)  # committed (or aborted): its pages stop taking writes
+    assert write(2) != 0 and write(6) != 0
+    pool.close()

@@ -144,7 +144,8 @@ def ack_error(e: EngineError) -> Response:
 class DecodeService:
     def __init__(self, engine: Engine, eos_ids: tuple[int, ...], target: str, decode_id: str,
                  faults: Faults | None = None, lease_ttl: float = 0.0, reserve_wait: float = 20.0,
-                 max_waiting: int = 256, http: dict | None = None, max_leases: int = 2048, max_streams: int = 64) -> None:
+                 max_waiting: int = 256, http: dict | None = None, max_leases: int = 2048, max_streams: int = 64,
+                 exposure: object | None = None) -> None:
         self.engine = engine
         self.pool = engine.pool
         self.eos = frozenset(eos_ids)
@@ -166,6 +167,7 @@ class DecodeService:
         self.epochs: dict[str, int] = {}  # writer → epoch; fencing bumps it
         self.max_leases = max_leases  # open leases per writer and per router
         self.max_streams = max_streams
+        self.exposure = exposure  # Mooncake: only open leases' pages are registered (kvseal.transfer.mooncake)
 
     def outbox(self, subscriber: str, peer: Peer | None = INSECURE) -> Outbox:
         """The router's token stream: opened by the first reserve or stream request, then that router's only."""
@@ -252,6 +254,8 @@ class DecodeService:
         st = LeaseState(r, run, secrets.randbits(62), box, self.batcher.sink_for(box),
                         router=peer.node if peer else "")
         self.leases[r.rid] = st
+        if self.exposure is not None:
+            self.exposure.expose(r.rid, list(run.pages))
         return P.Lease(rid=r.rid, nonce=st.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
                        layout=list(self.pool.kv.shape), cap=self.grant(r.rid, st.nonce, r.prefill_id, run))
@@ -310,8 +314,10 @@ class DecodeService:
         return await asyncio.wrap_future(self.engine.call(lambda: self._verify_and_admit(st, c)))
 
     def _verify_and_admit(self, st: LeaseState, c: P.Commit) -> P.Ack:
-        """Engine thread: tags and checksum against the bytes in this pool, then OWNED and running."""
+        """Engine thread: tags and checksum against the bytes in this pool, then OWNED and running. The pages
+        stop taking writes first, so nothing lands between the check and the first read."""
         rid = c.rid
+        self._conceal(rid)
         if st.aborted:  # aborted after the loop let this commit through: the abort owns the pages now
             return P.Ack(ok=False, status=503, code=LeaseRevoked.code, message=f"request {rid}: lease aborted")
         if self.prot.page_tags and not self.pool.run_ok(st.run, rid, PageState.RESERVED):
@@ -338,7 +344,12 @@ class DecodeService:
             self.engine._admit(seq)
         return P.Ack(ok=True, first_token=c.first_token)
 
+    def _conceal(self, rid: int) -> None:
+        if self.exposure is not None:
+            self.exposure.conceal(rid)
+
     def _reject(self, st: LeaseState, e: EngineError) -> P.Ack:
+        self._conceal(st.reserve.rid)
         self.engine.quarantined[st.reserve.rid] = self.pool.quarantine(st.run)
         st.aborted = True
         st.sink(Event(st.reserve.rid, (), "error", e))
@@ -356,6 +367,7 @@ class DecodeService:
             st.aborted = True
 
             def q() -> None:
+                self._conceal(a.rid)  # a late write now fails at the transport instead of landing
                 if st.committed:  # its commit was verified just before: stop it like any running request
                     self.engine._abort(a.rid)
                     return

@@ -29,7 +29,8 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         engine, lm, sizing = build_engine(spec, role="decode", storage=pool.create, metrics=metrics)
         target = str(pool.path) if transport == "shm" else pool.target
         app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}",
-                                       Faults.from_env(), lease_ttl, http=http))
+                                       Faults.from_env(), lease_ttl, http=http,
+                                       exposure=pool if transport == "mooncake" else None))
     else:
         from kvseal.server.prefill import PrefillService, prefill_app
 

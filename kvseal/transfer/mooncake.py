@@ -1,7 +1,10 @@
 """The ``mooncake`` transport: one-sided writes with Mooncake's TransferEngine (TCP here, RDMA on clusters).
 
-Both pools are registered with their worker's engine (``P2PHANDSHAKE`` metadata, no etcd). The decode lease
-names ``host:rpc_port|pool_address``; prefill writes each page straight into the leased decode page. The
+Prefill registers its pool with its engine (``P2PHANDSHAKE`` metadata, no etcd). Decode does *not* register
+its pool: it registers each open lease's pages (``expose``) and withdraws them when the lease stops taking
+writes (``conceal``: committed, rejected or aborted), so Mooncake's own address check refuses any write
+outside an open lease, late writes into a running request's pages included. The decode lease names
+``host:rpc_port|pool_address``; prefill writes each page straight into the leased decode page. The
 pool is page-major (``[page, L, 2, KVH, slot, D]``), so a page is one contiguous block and a run of pages
 consecutive on both sides is one chunk: the allocator's habit of handing out consecutive pages turns a
 lease into one or a few large transfers.
@@ -65,22 +68,39 @@ class MooncakePool:
         self.host = host
         self.engine = _engine(host, cfg)
         self.kv: torch.Tensor | None = None
+        self.exposed: dict[int, list[int]] = {}  # lease rid → addresses of its registered page runs
 
     def create(self, cfg: object, m: object, dtype: torch.dtype) -> torch.Tensor:
         from kvseal.transfer.shm import pool_shape
 
         self.kv = torch.empty(pool_shape(cfg, m), dtype=dtype)
-        if self.engine.register_memory(self.kv.data_ptr(), self.kv.nbytes) != 0:
-            raise RuntimeError("mooncake register_memory failed for the decode pool")
         return self.kv
+
+    def expose(self, rid: int, pages: list[int]) -> None:
+        """Register the lease's pages (one region per run of consecutive pages): writable by peers until
+        ``conceal``. Measured: ~2 µs per register + unregister on TCP."""
+        page = self.kv[0].nbytes
+        addrs = []
+        for _, first, n in chunks(sorted(pages), sorted(pages)):
+            addr = self.kv.data_ptr() + first * page
+            if self.engine.register_memory(addr, n * page) != 0:
+                for a in addrs:
+                    self.engine.unregister_memory(a)
+                raise RuntimeError("mooncake register_memory failed for a lease")
+            addrs.append(addr)
+        self.exposed[rid] = addrs
+
+    def conceal(self, rid: int) -> None:
+        for addr in self.exposed.pop(rid, ()):
+            self.engine.unregister_memory(addr)
 
     @property
     def target(self) -> str:
         return f"{self.host}:{self.engine.get_rpc_port()}|{self.kv.data_ptr()}"
 
     def close(self) -> None:
-        if self.kv is not None:
-            self.engine.unregister_memory(self.kv.data_ptr())
+        for rid in list(self.exposed):
+            self.conceal(rid)
 
 
 class MooncakeWriter:
