@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -74,7 +75,8 @@ class Server:
     def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180) -> None:
         self.port = free_port()
         tls = "--ssl-certfile" in args
-        self.verify = args[args.index("--ssl-ca") + 1] if "--ssl-ca" in args else True
+        ca = args[args.index("--ssl-ca") + 1] if "--ssl-ca" in args else None
+        self.verify = ssl.create_default_context(cafile=ca) if ca else True
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.worker = args[0] in ("prefill", "decode")
         if args[0] in ("prefill", "decode", "router") and not {"--cluster-secret-file", "--insecure-no-auth"} & set(args):

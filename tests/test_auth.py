@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -300,7 +301,7 @@ def test_tls_on_the_front_door_and_between_nodes(tmp_path):
     tls = ["--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca", ca]
     with Trio(["--kv-pool-tokens", "8192", *tls], router=tls) as t:
         assert t.url.startswith("https://") and t.pre.url.startswith("https://")
-        r = httpx.post(t.url + "/v1/completions", verify=ca, timeout=60,
+        r = httpx.post(t.url + "/v1/completions", verify=ssl.create_default_context(cafile=ca), timeout=60,
                        json={"model": MODEL, "prompt": "One, two,", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         with pytest.raises(httpx.ConnectError):  # a client that does not trust the cluster's CA
