@@ -127,3 +127,19 @@ def test_a_shared_page_reads_only_for_its_group():
     pool.free(a)
     pool.free(a)
     assert not group_ok(pool, a, owner=7, group=7)  # freed by both holders: the generation moved on
+
+
+def test_a_dead_decode_workers_pool_file_is_swept(tmp_path):
+    import os
+    import subprocess
+
+    from kvseal.transfer.shm import sweep_orphans
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f"kvseal-decode-9000-{dead.pid}-00ff00ff00ff00ff"
+    alive = tmp_path / f"kvseal-decode-9001-{os.getpid()}-00ff00ff00ff00ff"
+    orphan.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    assert sweep_orphans(tmp_path) == [orphan]
+    assert alive.exists() and not orphan.exists()

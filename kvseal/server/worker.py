@@ -31,6 +31,9 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}",
                                        Faults.from_env(), lease_ttl, http=http,
                                        exposure=pool if transport == "mooncake" else None))
+        # uvicorn re-raises SIGTERM after its shutdown, so a ``finally`` after ``run`` never runs: the pool file
+        # goes in the app's own shutdown (a SIGKILL still leaves it; the next decode's sweep removes it)
+        app.router.add_event_handler("shutdown", pool.close)
     else:
         from kvseal.server.prefill import PrefillService, prefill_app
 
@@ -40,8 +43,9 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
     print(f"{role} worker on {host}:{port}{'' if verifier else ' (INSECURE: no request signing)'}\n"
           f"{sizing.table()}", flush=True)
     try:
+        # a router's token stream never ends by itself: bound the graceful shutdown so SIGTERM ends the worker
         uvicorn.run(Guard(app, verifier), host=host, port=port, log_level="warning", ssl_certfile=tls[0],
-                    ssl_keyfile=tls[1])
+                    ssl_keyfile=tls[1], timeout_graceful_shutdown=3)
     finally:
         if role == "decode":
             pool.close()

@@ -23,11 +23,32 @@ def pool_shape(cfg: PoolConfig, m: ModelConfig) -> tuple[int, ...]:
     return kv_shape(cfg, m.num_layers, m.num_kv_heads, m.head_dim)
 
 
+def sweep_orphans(root: Path = Path("/dev/shm")) -> list[Path]:
+    """Remove the pool files of decode workers that died without closing them (a killed process leaves its
+    whole pool in RAM-backed /dev/shm). The name carries the owner's pid; only this user's files are touched."""
+    gone = []
+    for p in root.glob("kvseal-decode-*"):
+        parts = p.name.split("-")
+        if len(parts) < 4 or not parts[3].isdigit():
+            continue
+        try:
+            if p.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(parts[3]), 0)
+        except ProcessLookupError:
+            p.unlink(missing_ok=True)
+            gone.append(p)
+        except (PermissionError, FileNotFoundError):
+            continue
+    return gone
+
+
 class ShmPool:
-    """Owner side (decode): creates the file and removes it at close."""
+    """Owner side (decode): creates the file and removes it at close; first sweeps dead workers' files."""
 
     def __init__(self, name: str) -> None:
         self.path = Path("/dev/shm") / name
+        sweep_orphans(self.path.parent)
 
     def create(self, cfg: PoolConfig, m: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
         shape = pool_shape(cfg, m)
