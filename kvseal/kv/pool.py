@@ -104,17 +104,20 @@ class PagePool:
         self.refs[idx] = holders
 
     def _split(self, run: PageRun) -> PageRun:
-        """Drop this holder's references to the run's SHARED pages (the last one frees them); the rest."""
-        shared = [i for i, p in enumerate(run.pages) if self.state[p] == PageState.SHARED]
-        if not shared:
+        """Drop this holder's references to the run's SHARED pages (the last one frees them); the rest.
+        One vectorized look at the states: every free passes here."""
+        if not run.pages:
             return run
-        idx = torch.tensor([run.pages[i] for i in shared], dtype=torch.int64)
+        shared = (self.state[torch.tensor(run.pages, dtype=torch.int64)] == PageState.SHARED).tolist()
+        if not any(shared):
+            return run
+        idx = torch.tensor([p for p, sh in zip(run.pages, shared) if sh], dtype=torch.int64)
         self.refs[idx] -= 1
         last = idx[self.refs[idx] == 0].tolist()
         if last:
             self.state[torch.tensor(last)] = int(PageState.OWNED)
             self.free(PageRun(tuple(last), ()))
-        keep = [i for i in range(len(run.pages)) if i not in set(shared)]
+        keep = [i for i, sh in enumerate(shared) if not sh]
         return PageRun(tuple(run.pages[i] for i in keep), tuple(run.generations[i] for i in keep))
 
     def quarantine(self, run: PageRun) -> PageRun:
