@@ -41,6 +41,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="time-share the cores with other engines using the same lock file (one forward at a time); "
                         "auto: every engine of this user on this host that uses all cores (no --threads)")
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when freed (costs bandwidth)")
+    p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
+                   help="reuse full prompt pages within a tenant (keys salted per tenant; decode never caches)")
     for name, flag in UNSAFE_FLAGS.items():
         p.add_argument(flag, dest=f"unsafe_{name}", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--unsafe-no-all", action="store_true", help=argparse.SUPPRESS)
@@ -70,7 +72,8 @@ def worker_spec(a: argparse.Namespace) -> WorkerSpec:
                       page_size=a.page_size, context=a.context, allow_pool_below_context=a.allow_pool_below_context,
                       max_running=a.max_running, step_token_budget=a.step_token_budget, weights=a.weights,
                       threads=a.threads, share_cores=core_lock(a.share_cores, a.threads),
-                      scrub_on_free=a.scrub_on_free, protections=protections(a))
+                      scrub_on_free=a.scrub_on_free, prefix_cache=a.prefix_cache == "on",
+                      protections=protections(a))
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:

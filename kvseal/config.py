@@ -73,8 +73,10 @@ class Protections:
     checksum: bool = True  # xxh3-128 over page bytes + metadata
     deferred_release: bool = True  # prefill frees only after decode acks; abort-ack retention
     disconnect_guard: bool = True  # a client disconnect never cuts reserve or transfer in half
+    cache_salt: bool = True  # prefix-cache keys are salted per tenant (off: tenants share cached prefixes)
 
-    NAMES = ("page_tags", "admission", "coverage", "checksum", "deferred_release", "disconnect_guard")
+    NAMES = ("page_tags", "admission", "coverage", "checksum", "deferred_release", "disconnect_guard",
+             "cache_salt")
 
     @classmethod
     def none(cls) -> Protections:
@@ -92,6 +94,7 @@ class EngineConfig:
     step_token_budget: int = 512  # tokens per engine step: decodes first, then prefill chunks
     context_window: int = 8192  # served context (may be capped by preflight)
     threads: int = 0  # torch threads; 0 = all cores
+    prefix_cache: bool = False  # keep full prompt pages per tenant for reuse (servers turn it on by default)
     protections: Protections = field(default_factory=Protections)
 
     def __post_init__(self) -> None:

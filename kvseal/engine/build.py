@@ -36,6 +36,7 @@ class WorkerSpec:
     threads: int = 0
     share_cores: str | None = None  # lock file shared with another engine on this host (CoreLock)
     scrub_on_free: bool = False
+    prefix_cache: bool = True
     protections: Protections = field(default_factory=Protections)
 
 
@@ -72,7 +73,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     pool = PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv)
     cfg = EngineConfig(pool=pool_cfg, dtype=spec.dtype, max_running=spec.max_running,
                        step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
-                       threads=spec.threads, protections=spec.protections)
+                       threads=spec.threads, prefix_cache=spec.prefix_cache, protections=spec.protections)
     engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics)
     engine.grammars = Grammars(lm.tokenizer, m.vocab_size)
     if spec.share_cores:

@@ -32,6 +32,7 @@ from kvseal.engine.runner import Runner
 from kvseal.engine.sampling import sample
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.kv.pool import PagePool, PageRun
+from kvseal.kv.prefix import PrefixCache
 from kvseal.model.llama import LlamaModel
 
 
@@ -52,6 +53,9 @@ class Engine:
         self.preemptions = 0
         self.forks: dict[int, list[Sequence]] = {}  # leader rid → choices parked until its prompt is cached
         self.shared_tokens = 0
+        self.cache = (PrefixCache(pool, salted=cfg.protections.cache_salt)
+                      if cfg.prefix_cache and role != "decode" else None)  # decode's pages stay private
+        self.computed_tokens = 0  # tokens fed through the model: what the prefix cache saves
         self.grammars: Grammars | None = None  # set by build_engine: structured output needs the tokenizer
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = False
@@ -91,9 +95,14 @@ class Engine:
 
     @property
     def load(self) -> dict[str, int]:
-        return {"waiting": len(self.waiting), "running": len(self.running), "free_pages": self.pool.num_free,
+        return {"waiting": len(self.waiting), "running": len(self.running),
+                "free_pages": self.pool.num_available, "cached_pages": self.cache.pages if self.cache else 0,
                 "total_pages": self.pool.cfg.num_pages, "pool_tokens": self.pool.cfg.capacity_tokens,
                 "context_window": self.cfg.context_window}
+
+    def page_counts(self) -> dict[str, int]:
+        """Pages by state, and how many of them the prefix cache holds (read on any thread: a gauge)."""
+        return {**self.pool.counts(), "cached": self.cache.pages if self.cache else 0}
 
     # -- the loop ---------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -154,6 +163,9 @@ class Engine:
         done = []  # rows whose whole context is now cached: they sample their next token
         for row, (s, n) in enumerate(zip(res.seqs, res.fed)):
             s.num_cached += n
+            self.computed_tokens += n
+            if self.cache and s.cache_keys is not None:
+                self._keep(s)
             if s.num_cached == len(s.tokens):
                 done.append(row)
         seqs = [res.seqs[r] for r in done]
@@ -197,6 +209,8 @@ class Engine:
                 raise BadRequest("response_format is not available on this engine", param="response_format")
             seq.matcher = self.grammars.matcher(seq.params.grammar, replay=seq.tokens[len(seq.prompt):])
         self.seqs[seq.rid] = seq
+        if self.cache:
+            seq.space = self.cache.namespace(seq.tenant)
         if seq.group == seq.rid:
             self.forks[seq.rid] = []
         elif seq.group in self.forks:  # a later choice of a request: waits to share its leader's prompt pages
@@ -234,6 +248,8 @@ class Engine:
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
                and self.preemptions == preempted):
             s = self.waiting[0]
+            if self.cache and s.run is None:
+                self._hit(s)
             n = self._chunk(s, budget)
             if not self.pool.can_allocate(self._pages_to_feed(s, n) + len(self.running)):
                 break  # backpressure: the head waits until pages come back
@@ -280,6 +296,27 @@ class Engine:
         if self.metrics:
             self.metrics.preemptions.inc()
 
+    def _hit(self, s: Sequence) -> None:
+        """Start ``s`` on the longest cached prefix of its prompt in its tenant's namespace. At least the last
+        prompt token is computed (its logits start the output), so a cached page is never written."""
+        if s.cache_keys is None:
+            s.cache_keys = self.cache.keys(s.tenant, s.prompt)
+        usable = min(len(s.cache_keys), (len(s.tokens) - 1) // self.pool.cfg.page_size)
+        run = self.cache.lookup(s.cache_keys[:usable], s.space)
+        hit = len(run.pages) * self.pool.cfg.page_size
+        if run.pages:
+            s.run, s.num_cached, s.registered = run, hit, len(run.pages)
+        if s.num_output == 0:
+            s.cached_tokens = hit
+
+    def _keep(self, s: Sequence) -> None:
+        """Offer the prompt blocks ``s`` has just filled to the cache (a block another request already cached
+        stays private to ``s``)."""
+        full = min(min(s.num_cached, len(s.prompt)) // self.pool.cfg.page_size, len(s.cache_keys))
+        for i in range(s.registered, full):
+            self.cache.insert(s.cache_keys[i], s.run.pages[i], s.run.generations[i], s.space)
+        s.registered = max(s.registered, full)
+
     def _fork(self, leader: Sequence, logits: torch.Tensor) -> None:
         """The leader of a request's choices has its prompt cached and its logits in hand. Each parked choice
         with the same prompt gets the prompt's full pages as SHARED pages (read-only, a reference each) and a
@@ -303,6 +340,7 @@ class Engine:
                 self.pool.kv[own.pages[0]] = self.pool.kv[leader.run.pages[full]]
                 f.run = PageRun(f.run.pages + own.pages, f.run.generations + own.generations)
             f.num_cached, f.phase = n, Phase.RUNNING
+            f.cache_keys, f.registered = leader.cache_keys, full
             self.running.append(f)
         self.shared_tokens += n * len(same)
         if self.metrics:
@@ -314,7 +352,8 @@ class Engine:
     def _advance(self, s: Sequence, token: int) -> None:
         first = s.num_output == 0
         s.tokens.append(token)
-        ev = Event(s.rid, (token,), logprobs=(s.logprob,) if s.logprob else ())
+        ev = Event(s.rid, (token,), logprobs=(s.logprob,) if s.logprob else (),
+                   cached_tokens=s.cached_tokens if first else 0)
         if first and self.role == "prefill":
             self.running.remove(s)
             s.phase = Phase.TRANSFER
@@ -354,7 +393,7 @@ class Engine:
         self.seqs.pop(s.rid, None)
         try:
             if s.run is not None and quarantine:  # only pages still tagged for it: the rest are not its own
-                self.quarantined[s.rid] = self.pool.quarantine(self.pool.holding(s.run, s.rid, s.group))
+                self.quarantined[s.rid] = self.pool.quarantine(self.pool.holding(s.run, s.rid, s.group, s.space))
             elif s.run is not None:
                 self.pool.free(s.run)
         except RuntimeError as e:  # a double free is a bug; the request must still end, with an error

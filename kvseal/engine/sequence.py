@@ -34,6 +34,7 @@ class Event:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: Exception | None = None
     logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked for logprobs
+    cached_tokens: int = 0  # on the first token's event: prompt tokens read from the prefix cache
 
 
 @dataclass(eq=False)
@@ -53,6 +54,11 @@ class Sequence:
     group: int | None = None  # the choices of one request (n > 1) share their prompt's pages; the leader's rid
     matcher: object | None = None  # response_format's grammar state (kvseal.engine.grammar)
     logprob: Logprob | None = None  # the last sampled token's, when asked for
+    tenant: str = "default"
+    space: int | None = None  # the tenant's prefix-cache namespace (an owner id of shared pages)
+    cache_keys: list[int] | None = None  # one per full prompt block, once looked up
+    registered: int = 0  # prompt blocks already in the cache (hit or kept)
+    cached_tokens: int = 0  # prompt tokens read from the cache at admission
 
     def __post_init__(self) -> None:
         if not self.tokens:

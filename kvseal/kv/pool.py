@@ -14,9 +14,13 @@ A SHARED page is read-only and reference counted: its owner is a *group* (the ch
 share their prompt's pages), every holder's table names it, and only the last holder's free returns it
 (bumping its generation). The read-side check accepts a SHARED page only for a request of that group.
 
+The prefix cache (``kvseal.kv.prefix``) keeps SHARED pages owned by a tenant's cache namespace, holding one
+reference of its own (``cached``). Such a page with no other holder is *evictable*: ``can_allocate`` counts it
+as available and ``allocate`` evicts (least recently used first) through the cache before it gives up.
+
 Invariants (``check_integrity``): free + reserved + owned + quarantined + shared == total; a FREE page has no
 owner and sits in the free list exactly once; a non-FREE page has exactly one owner; a page has references
-if and only if it is SHARED.
+if and only if it is SHARED; a cached page is SHARED.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 import torch
 
@@ -50,6 +55,14 @@ class PageRun:
     generations: tuple[int, ...]
 
 
+class Reclaimer(Protocol):
+    """What the pool asks of a cache that holds pages it could give back (kvseal.kv.prefix.PrefixCache)."""
+
+    def evictable(self) -> int: ...
+
+    def evict(self, n_pages: int) -> int: ...
+
+
 def kv_shape(cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """The one definition of the pool layout, for the pool and for every transport's storage."""
     return (cfg.num_pages, num_layers, 2, kv_heads, cfg.page_size, head_dim)
@@ -70,6 +83,8 @@ class PagePool:
         self.generation = torch.zeros(n, dtype=torch.int64)
         self.state = torch.zeros(n, dtype=torch.int8)
         self.refs = torch.zeros(n, dtype=torch.int32)  # holders of a SHARED page
+        self.cached = torch.zeros(n, dtype=torch.bool)  # the prefix cache holds one of the page's references
+        self.reclaimer: Reclaimer | None = None
         self._free: deque[int] = deque(range(n))
         self.integrity_failures = 0
 
@@ -78,11 +93,18 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_available(self) -> int:
+        """Free pages plus the cache's pages that nobody else holds: what allocation can have now."""
+        return len(self._free) + (self.reclaimer.evictable() if self.reclaimer else 0)
+
     def can_allocate(self, n_pages: int) -> bool:
-        return n_pages <= len(self._free)
+        return n_pages <= len(self._free) or (self.reclaimer is not None and n_pages <= self.num_available)
 
     def allocate(self, owner: int, n_pages: int, state: PageState = PageState.OWNED) -> PageRun:
-        if not self.can_allocate(n_pages):
+        if n_pages > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.evict(n_pages - len(self._free))
+        if n_pages > len(self._free):
             raise PoolExhausted(f"need {n_pages} pages, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(n_pages)]
         idx = torch.tensor(pages, dtype=torch.int64)
@@ -94,14 +116,22 @@ class PagePool:
         self.state[torch.tensor(run.pages, dtype=torch.int64)] = int(state)
 
     def share(self, pages: tuple[int, ...], group: int, holders: int) -> None:
-        """Make ``pages`` (OWNED by one of the group) read-only pages of ``group`` with ``holders`` references;
-        their generations stay, so every holder's table entry ``(page, generation)`` stays valid."""
+        """Make ``pages`` read-only pages of ``group`` with ``holders`` references. An OWNED page (its owner is
+        one of the holders) becomes SHARED; an already SHARED page (one holder has it) keeps its owner and gains
+        ``holders - 1`` references. Generations stay, so every holder's ``(page, generation)`` stays valid."""
         idx = torch.tensor(pages, dtype=torch.int64)
-        if not bool((self.state[idx] == PageState.OWNED).all()):
-            raise RuntimeError(f"only owned pages can be shared: {pages}")
-        self.owner[idx] = group
-        self.state[idx] = int(PageState.SHARED)
-        self.refs[idx] = holders
+        state = self.state[idx]
+        if not bool(((state == PageState.OWNED) | (state == PageState.SHARED)).all()):
+            raise RuntimeError(f"only owned or shared pages can be shared: {pages}")
+        owned = idx[state == PageState.OWNED]
+        self.owner[owned] = group
+        self.state[owned] = int(PageState.SHARED)
+        self.refs[owned] = holders
+        self.refs[idx[state == PageState.SHARED]] += holders - 1
+
+    def acquire(self, pages: tuple[int, ...]) -> None:
+        """One more holder for SHARED pages (a prefix-cache hit)."""
+        self.refs[torch.tensor(pages, dtype=torch.int64)] += 1
 
     def _split(self, run: PageRun) -> PageRun:
         """Drop this holder's references to the run's SHARED pages (the last one frees them); the rest.
@@ -145,13 +175,18 @@ class PagePool:
 
     # -- the read-side check --------------------------------------------------------------------------
     def check_tables(self, table: torch.Tensor, gens: torch.Tensor, owners: torch.Tensor,
-                     valid: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+                     valid: torch.Tensor, groups: torch.Tensor | None = None,
+                     spaces: torch.Tensor | None = None) -> torch.Tensor:
         """One vectorized comparison of a batch's page tables [B, P] with the tags: ok per request [B]. A page
-        passes if the request owns it, or if it is SHARED and owned by the request's group."""
+        passes if the request owns it, or if it is SHARED and owned by the request's group or by its tenant's
+        cache namespace."""
         owner, state = self.owner[table], self.state[table]
         mine = (owner == owners[:, None]) & (state == PageState.OWNED)
+        shared = state == PageState.SHARED
         if groups is not None:
-            mine |= (owner == groups[:, None]) & (state == PageState.SHARED)
+            mine |= (owner == groups[:, None]) & shared
+        if spaces is not None:
+            mine |= (owner == spaces[:, None]) & shared
         ok = mine & (self.generation[table] == gens)
         return (ok | ~valid).all(dim=1)
 
@@ -161,15 +196,17 @@ class PagePool:
         return bool(((self.owner[idx] == owner) & (self.generation[idx] == gens)
                      & (self.state[idx] == int(state))).all())
 
-    def holding(self, run: PageRun, owner: int, group: int | None = None) -> PageRun:
-        """The part of ``run`` whose tags still name this request (its own pages, or its group's shared ones):
-        what a request that failed its check may let go. Pages tagged for anyone else are not its to touch."""
+    def holding(self, run: PageRun, owner: int, *shared_owners: int | None) -> PageRun:
+        """The part of ``run`` whose tags still name this request (its own pages, or shared ones of its group or
+        cache namespace): what a request that failed its check may let go. Pages tagged for anyone else are not
+        its to touch."""
         idx = torch.tensor(run.pages, dtype=torch.int64)
         gens = torch.tensor(run.generations, dtype=torch.int64)
         own, state = self.owner[idx], self.state[idx]
         ok = (own == owner) & (state != PageState.FREE) & (state != PageState.SHARED)
-        if group is not None:
-            ok |= (own == group) & (state == PageState.SHARED)
+        for group in shared_owners:
+            if group is not None:
+                ok |= (own == group) & (state == PageState.SHARED)
         keep = (ok & (self.generation[idx] == gens)).nonzero().flatten().tolist()
         return PageRun(tuple(run.pages[i] for i in keep), tuple(run.generations[i] for i in keep))
 
@@ -192,6 +229,7 @@ class PagePool:
         assert bool((self.owner[~free_mask] >= 0).all()), "a used page has no owner"
         shared = self.state == PageState.SHARED
         assert bool(((self.refs > 0) == shared).all()), "a page has references but is not SHARED, or none but is"
+        assert bool(shared[self.cached].all()), "a cached page is not SHARED"
 
     def owned_by(self, owner: int) -> int:
         return int(((self.owner == owner) & (self.state != PageState.FREE)).sum())

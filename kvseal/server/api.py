@@ -88,6 +88,7 @@ async def parse(request: Request, model: type[T]) -> T:
 def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: Tenants | None = None) -> FastAPI:
     app = FastAPI(title="kvseal")
     tenants = tenants or Tenants()
+    print(tenants.describe(), flush=True)
     strings = TokenStrings(tokenizer)
     vocab = len(tokenizer)
 
@@ -195,8 +196,11 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         if echo:
             for r, f in zip(replies, firsts):
                 f.text = echo[r.index // req.n] + f.text
+        leaders = replies[::req.n]  # each prompt's first choice: the others share its pages, not the cache's
+        for (prompt, _), r in zip(plans, leaders):
+            metrics.cache_lookup(tenant, len(prompt), r.cached_tokens)
         fmt = Formatter(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), req.model, chat, strings,
-                        sum(len(p) for p in prompts))
+                        sum(len(p) for p in prompts), sum(r.cached_tokens for r in leaders))
         want = req.top_logprobs_k is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -97,7 +97,7 @@ class EngineBackend:
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
         q: asyncio.Queue = asyncio.Queue()
         seq = Sequence(req.rid, req.prompt, req.params, self.batcher.sink_for(q), eos_ids=self.eos_ids,
-                       group=req.group)
+                       group=req.group, tenant=req.tenant)
         await asyncio.wrap_future(self.engine.submit(seq))
         async for ev in drain(q, lambda: self.engine.abort(req.rid)):
             yield ev

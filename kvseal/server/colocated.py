@@ -17,7 +17,7 @@ def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None,
                   keys_file: str | None = None) -> tuple[FastAPI, EngineBackend]:
     metrics = Metrics()
     engine, lm, sizing = build_engine(spec, metrics=metrics)
-    metrics._pool_counts = engine.pool.counts
+    metrics._pool_counts = engine.page_counts
     print(sizing.table(), flush=True)
     backend = EngineBackend(engine, lm.name, lm.model.cfg.eos_token_ids)
     return create_app(backend, lm.tokenizer, metrics, Tenants.load(api_keys or [], keys_file)), backend

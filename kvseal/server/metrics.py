@@ -7,6 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+MAX_TENANT_LABELS = 64  # tenants come from the key file; past this many, the rest share the label "other"
 
 
 class Metrics:
@@ -26,11 +27,31 @@ class Metrics:
                                      "its request's shared pages instead of computing them", registry=r)
         self.engine_seconds = Counter("kvseal_engine_seconds", "Engine step time by phase", ["phase"], registry=r)
         self.engine_steps = Counter("kvseal_engine_steps", "Engine steps that ran a forward pass", registry=r)
+        self.cache_queries = Counter("kvseal_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                     ["tenant"], registry=r)
+        self.cache_hits = Counter("kvseal_prefix_cache_hits", "Prompt tokens read from the prefix cache instead "
+                                  "of computed", ["tenant"], registry=r)
+        self.cache_pages = Gauge("kvseal_prefix_cache_pages", "Pages held by the prefix cache", registry=r)
+        self._tenants: set[str] = set()
         self.pool_pages = Gauge("kvseal_pool_pages", "KV pool pages by state", ["state"], registry=r)
         self._pool_counts = pool_counts
 
+    def tenant(self, name: str) -> str:
+        """A bounded label for a tenant."""
+        if name in self._tenants or len(self._tenants) < MAX_TENANT_LABELS:
+            self._tenants.add(name)
+            return name
+        return "other"
+
+    def cache_lookup(self, tenant: str, prompt_tokens: int, hit_tokens: int) -> None:
+        label = self.tenant(tenant)
+        self.cache_queries.labels(label).inc(prompt_tokens)
+        self.cache_hits.labels(label).inc(hit_tokens)
+
     def render(self) -> bytes:
         if self._pool_counts:
-            for state, n in self._pool_counts().items():
+            counts = self._pool_counts()
+            self.cache_pages.set(counts.pop("cached", 0))
+            for state, n in counts.items():
                 self.pool_pages.labels(state).set(n)
         return generate_latest(self.registry)

@@ -65,7 +65,8 @@ class PrefillService:
         params = SamplingParams(**{**p.sampling, "max_tokens": 1})  # prefill samples the first token only
         done: asyncio.Future = self.loop.create_future()
         self.pending[p.rid] = (p, done)
-        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid), lease=p.lease, group=p.group)
+        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid), lease=p.lease, group=p.group,
+                       tenant=p.tenant)
 
         def admit() -> None:  # engine thread: a lease forgotten meanwhile never reaches the engine
             if p.lease.nonce in self.forgotten:
@@ -143,9 +144,9 @@ class PrefillService:
         commit = P.Commit(rid=seq.rid, nonce=lease.nonce, n_tokens=n, first_token=first, pages=dst,
                           generations=lease.generations[:k], checksum=digest, cap=lease.cap)
         late_write = (lambda: self._write(src, lease, dst)) if late else None
-        lp = seq.logprob
+        lp, cached = seq.logprob, seq.cached_tokens
         self.loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._commit(seq.rid, commit, late_write, lp)))
+            lambda: asyncio.ensure_future(self._commit(seq.rid, commit, late_write, lp, cached)))
 
     def _write(self, src: list[int], lease: P.Lease, dst: list[int]) -> None:
         """One-sided write of this worker's pages ``src`` into the leased decode pages ``dst``."""
@@ -160,7 +161,7 @@ class PrefillService:
             self.writer.corrupt(lease.target, lease.layout, self.engine.pool.kv.dtype, dst)
 
     async def _commit(self, rid: int, commit: P.Commit, late_write: Callable[[], None] | None,
-                      logprob: Logprob | None = None) -> None:
+                      logprob: Logprob | None = None, cached: int = 0) -> None:
         p, _ = self.pending.get(rid, (None, None))
         try:
             ack = await self._send_commit(p.decode_url, commit)
@@ -177,7 +178,7 @@ class PrefillService:
         released = self.engine.call(lambda: self.engine.release(rid))
         if not ack.ok:
             await self._writer_done(p, commit.nonce)
-        ack.first_logprob = logprob
+        ack.first_logprob, ack.cached_tokens = logprob, cached
         self._settle(rid, ack)
         await asyncio.wrap_future(released)
 

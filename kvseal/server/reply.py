@@ -49,6 +49,7 @@ class Reply:
         self.n_tokens = 0
         self.offset = 0  # characters sent so far (completions' text_offset)
         self.finish: str | None = None
+        self.cached_tokens = 0  # of the prompt, read from the prefix cache
 
     async def first(self) -> Piece:
         try:
@@ -66,6 +67,8 @@ class Reply:
             raise ev.error
         now = time.monotonic()
         if ev.token_ids:
+            if self.n_tokens == 0:
+                self.cached_tokens = ev.cached_tokens
             (self.metrics.ttft if self.n_tokens == 0 else self.metrics.itl).observe(now - self.last)
             self.last = now
             self.n_tokens += len(ev.token_ids)
@@ -87,13 +90,16 @@ class Reply:
 class Formatter:
     """OpenAI's response shapes for chat and completions: choices, logprobs, usage."""
 
-    def __init__(self, ident: str, model: str, chat: bool, strings: TokenStrings, n_prompt: int) -> None:
+    def __init__(self, ident: str, model: str, chat: bool, strings: TokenStrings, n_prompt: int,
+                 cached: int = 0) -> None:
         self.ident, self.model, self.chat, self.strings, self.n_prompt = ident, model, chat, strings, n_prompt
+        self.cached = cached
         self.created = int(time.time())
 
     def usage(self, replies: list[Reply]) -> dict:
         out = sum(r.n_tokens for r in replies)
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": out, "total_tokens": self.n_prompt + out}
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": out, "total_tokens": self.n_prompt + out,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
 
     def choice(self, r: Reply, text: str, lps: tuple[Logprob, ...] | None, delta: bool, first: bool = False,
                finish: str | None = None) -> dict:

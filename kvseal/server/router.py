@@ -195,7 +195,8 @@ class DisaggBackend:
                                    unguarded=lambda: self._abort(d, req.rid, lease.nonce, writer_done=True))
             committed = True
             p.inflight -= 1
-            yield Event(req.rid, (ack.first_token,), logprobs=(ack.first_logprob,) if ack.first_logprob else ())
+            yield Event(req.rid, (ack.first_token,), logprobs=(ack.first_logprob,) if ack.first_logprob else (),
+                        cached_tokens=ack.cached_tokens)
             async for ev in self._events(events, req.rid):
                 finished = ev.finish_reason is not None
                 yield ev

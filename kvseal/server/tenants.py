@@ -1,6 +1,7 @@
 """API key → tenant id. With no keys configured every caller is tenant ``default`` (like vLLM without
 ``--api-key``); with keys, a missing or unknown key is a 401. The tenant is set by the server, never by the
-client, and travels with the request to every worker (a future prefix cache would salt its keys with it).
+client, and travels with the request to every worker: the prefix cache salts its keys with it, and shared
+pages are tagged with the tenant's cache namespace.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class Tenants:
         """``--api-key`` pairs plus a file of ``KEY=TENANT`` lines (``#`` comments): keys out of ``ps``."""
         lines = Path(path).read_text().splitlines() if path else []
         return cls.parse([*specs, *(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))])
+
+    def describe(self) -> str:
+        """The line a server prints at start."""
+        if not self.keys:
+            return "tenants: single-tenant (no API keys: every caller is tenant 'default' and shares its cache)"
+        return f"tenants: {len(set(self.keys.values()))} tenant(s), {len(self.keys)} API key(s)"
 
     def authenticate(self, authorization: str | None) -> str:
         if not self.keys:

@@ -108,6 +108,7 @@ class Ack(Msg):
     message: str = ""
     first_token: int = -1
     first_logprob: Logprob | None = None  # prefill's, for the router; not covered by the checksum
+    cached_tokens: int = 0  # prompt tokens prefill read from its prefix cache (usage and metrics)
 
 
 class Abort(Msg):
