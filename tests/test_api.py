@@ -27,6 +27,7 @@ def test_chat_non_streaming(client, colocated):
 def test_chat_streaming_equals_non_streaming(client):
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "List three colors."}], "max_tokens": 24,
           "temperature": 0}
+    client.chat.completions.create(**kw)  # both runs below then start from the same cached prefix: same numerics
     whole = client.chat.completions.create(**kw).choices[0].message.content
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -145,3 +145,16 @@ def test_a_page_cached_for_one_tenant_fails_the_tag_check_for_another(fp32_model
 def test_without_page_tags_another_tenant_reads_the_cached_pages(fp32_model):
     r = foreign_cache_read(fp32_model, Protections(page_tags=False))
     assert r["final"].finish_reason == "length", "the unchecked engine should serve from acme's pages"
+
+
+def test_choices_share_cached_pages_and_equal_a_single_run(fp32_model, engine):
+    """n > 1 on top of the cache: the leader hits the cached prefix, its choices share the leader's pages (the
+    cached ones gain references), and each greedy choice equals a single run."""
+    from test_choices import choices
+
+    prompt = prompt_ids(fp32_model, "What is in hall 3?")
+    single = run(engine, prompt, "default", max_tokens=10)["tokens"]
+    outs = choices(engine, prompt, 3, SamplingParams(max_tokens=10, temperature=0))
+    assert outs == [single[:len(o)] for o in outs] and all(len(o) == 10 for o in outs)
+    free, total = idle(engine)
+    assert free == total
