@@ -142,6 +142,10 @@ def parser() -> argparse.ArgumentParser:
     from kvseal.bench import add_args
 
     add_args(b)
+    pr = sub.add_parser("probe", help="isolation check against any OpenAI-compatible server (two tenants' keys)")
+    from kvseal import probe
+
+    probe.add_args(pr)
     return ap
 
 
@@ -174,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvseal.bench import run
 
         run(a)
+    elif a.cmd == "probe":
+        from kvseal.probe import run
+
+        sys.exit(run(a))
 
 
 def run_preflight(a: argparse.Namespace) -> None:

@@ -1,0 +1,53 @@
+"""``kvseal probe`` against kvseal: it finds the 2026 leak (``legacy_placeholder`` with protections off) and the
+cross-tenant prefix-cache timing signal (unsalted keys), and finds nothing on the hardened default under the
+same fault."""
+
+import json
+
+from conftest import Trio
+
+from kvseal.cli import parser
+from kvseal.probe import mann_whitney_less, run
+
+WORKER = ["--context", "2048", "--allow-pool-below-context"]
+KEYS = ["--api-key", "key-a=tenant-a", "--api-key", "key-b=tenant-b"]
+FAULT = {"KVSEAL_FAULTS": "legacy_placeholder", "KVSEAL_FAULT_SEED": "1"}
+
+
+def probe(url: str, checks: str, tmp_path) -> tuple[int, dict]:
+    out = tmp_path / "probe.json"
+    a = parser().parse_args(["probe", "--url", url, "--key", "key-a", "--key", "key-b", "--checks", checks,
+                             "--samples", "10", "--seed", "5", "--json", str(out)])
+    code = run(a)
+    return code, json.loads(out.read_text())
+
+
+def cluster(unsafe: list[str]) -> Trio:
+    env = {**FAULT, "KVSEAL_UNSAFE": "1" if unsafe else "0"}
+    return Trio([*WORKER, *unsafe], [*KEYS, *unsafe], env, prefill=["--kv-pool-tokens", "1024"],
+                decode=["--kv-pool-tokens", "2048"])
+
+
+def test_probe_finds_nothing_on_the_hardened_default(tmp_path):
+    with cluster([]) as t:
+        code, rep = probe(t.url, "abcd", tmp_path)
+    assert code == 0 and rep["ok"], rep["findings"]
+    timing = rep["checks"]["prefix-cache timing"]
+    assert timing["power"] and not timing["signal"], timing  # the cache works within a tenant, not across
+
+
+def test_probe_finds_the_2026_leak_and_the_unsalted_cache(tmp_path):
+    with cluster(["--unsafe-no-all"]) as t:
+        code, rep = probe(t.url, "abd", tmp_path)
+    assert code == 1
+    checks = rep["checks"]
+    assert checks["admission boundary"]["wrong_status"], "an over-long prompt should have been answered 200"
+    assert checks["canary cross-contamination"]["leaks"], "B should have seen A's canary"
+    assert checks["prefix-cache timing"]["signal"], checks["prefix-cache timing"]
+
+
+def test_mann_whitney_separates_shifted_samples_only():
+    fast, slow = [0.1 + 0.001 * i for i in range(8)], [0.3 + 0.001 * i for i in range(8)]
+    assert mann_whitney_less(fast, slow) < 0.001
+    assert mann_whitney_less(slow, fast) > 0.99
+    assert 0.2 < mann_whitney_less(fast, fast[::-1]) < 0.8
