@@ -38,10 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-WORDS = ("harbor lantern granite copper meadow violet thunder saddle orchard pepper walnut glacier falcon "
-         "tunnel marble cinder oyster velvet quartz timber anchor basket canyon dolphin ember fossil garnet "
-         "hazel island jasper kettle lagoon mango nectar olive pebble quiver raven sable tulip umber vessel "
-         "willow yonder zephyr amber bramble cobalt dune").split()
+WORDS = ["harbor", "lantern", "granite", "copper", "meadow", "violet", "thunder", "saddle", "orchard", "pepper", "walnut", "glacier", "falcon", "tunnel", "marble", "cinder", "oyster", "velvet", "quartz", "timber", "anchor", "basket", "canyon", "dolphin", "ember", "fossil", "garnet", "hazel", "island", "jasper", "kettle", "lagoon", "mango", "nectar", "olive", "pebble", "quiver", "raven", "sable", "tulip", "umber", "vessel", "willow", "yonder", "zephyr", "amber", "bramble", "cobalt", "dune"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +119,7 @@ def carries(text: str, canaries: list[str], a_texts: list[str], n: int = 8) -> s
 def check_admission(c: Client) -> dict:
     rows, wrong = [], []
     for n in (c.context - 1, c.context, c.context + 1):
-        status, body, _ = c.complete("B", [300 + i % 500 for i in range(n)], 1)
+        status, _, _ = c.complete("B", [300 + i % 500 for i in range(n)], 1)
         fits = n + 1 <= c.context
         ok = (200 <= status < 300 or 400 <= status < 500) if fits else 400 <= status < 500
         rows.append({"prompt_tokens": n, "max_tokens": 1, "status": status, "can_fit": fits, "ok": ok})

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from engine_util import chat_ids, make_engine
+from engine_util import make_engine
 
 from kvseal.config import Protections
 from kvseal.engine.errors import KVIntegrityError

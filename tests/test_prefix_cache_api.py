@@ -23,7 +23,7 @@ def chat(url: str, key: str, question: str) -> dict:
 
 def metric(url: str, name: str, tenant: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
-    m = re.search(rf'^{name}_total{{tenant="{tenant}"}} (\S+)$', text, re.M)
+    m = re.search(rf'^{name}_total{{tenant="{tenant}"}} (\S+)$', text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 
