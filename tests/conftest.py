@@ -72,8 +72,9 @@ class Server:
     """A kvseal process on a free loopback port, killed at teardown. Workers and routers get the session's
     cluster secret unless the args name one (or switch auth off)."""
 
-    def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180) -> None:
-        self.port = free_port()
+    def __init__(self, args: list[str], env: dict | None = None, timeout: float = 180, port: int | None = None) -> None:
+        self.args, self.env, self.timeout = args, env, timeout
+        self.port = port or free_port()
         tls = "--ssl-certfile" in args
         ca = args[args.index("--ssl-ca") + 1] if "--ssl-ca" in args else None
         self.verify = ssl.create_default_context(cafile=ca) if ca else True
@@ -97,6 +98,17 @@ class Server:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"{args[0]} did not become healthy:\n{self.proc.stdout.read()[-3000:]}")
+
+    def kill(self) -> None:
+        """kill -9, as a crash would: no cleanup, no answer."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        """Kill and start again with the same arguments on the same port (the router knows it by URL)."""
+        self.kill()
+        self.__init__(self.args, self.env, self.timeout, self.port)
 
     def health(self) -> dict:
         if self.worker:  # pool details only for signed callers
