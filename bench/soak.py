@@ -48,8 +48,7 @@ FAULTS = ("corrupt_page_write=0.02,skip_page_write=0.02,drop_commit=0.01,duplica
           "reorder_commit=0.02,corrupt_commit=0.02,delay_page_write=0.02")
 TENANTS = 8
 CONTEXT = 2048
-WORDS = ("harbor lantern granite copper meadow violet thunder saddle orchard pepper walnut glacier falcon tunnel "
-         "marble cinder oyster velvet quartz timber anchor basket canyon dolphin ember fossil").split()
+WORDS = ["harbor", "lantern", "granite", "copper", "meadow", "violet", "thunder", "saddle", "orchard", "pepper", "walnut", "glacier", "falcon", "tunnel", "marble", "cinder", "oyster", "velvet", "quartz", "timber", "anchor", "basket", "canyon", "dolphin", "ember", "fossil"]
 PUBLIC = ("Public notice for all visitors: the museum opens at nine, closes at five, and the lighthouse tower is "
           "closed on windy days. Tickets are sold at the harbor gate. ") * 6
 HUNG_S = 90.0
