@@ -22,7 +22,7 @@ serve: setup
 
 test: setup
 	MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=4096 MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER=4096 \
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: setup
 	$(BIN)/python bench/run_all.py

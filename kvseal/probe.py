@@ -178,8 +178,7 @@ def common(x: str, y: str) -> int:
 
 
 def check_interference(c: Client, rng: random.Random) -> dict:
-    prompts = ["The three primary colors are", "A recipe for pancakes: first,", "def fibonacci(n):",
-               "The largest planet in the solar system is"]
+    prompts = ["The three primary colors are", "A recipe for pancakes: first,", "The largest planet is"]
     alone = [text_of(c.complete("B", p, 32)[1]) for p in prompts]
     canaries = ["ZQX" + secrets.token_hex(3).upper() for _ in range(2)]
     a_texts = [a_prompt(c, k, int(c.context * 0.4)) for k in canaries]
@@ -194,18 +193,18 @@ def check_interference(c: Client, rng: random.Random) -> dict:
     for t in threads:
         t.start()
     try:
-        under = [text_of(c.complete("B", p, 32)[1]) for p in prompts for _ in range(2)]
+        under = [text_of(c.complete("B", p, 32)[1]) for p in prompts]
     finally:
         stop.set()
         for t in threads:
             t.join()
     rows, leaks = [], []
     for i, out in enumerate(under):
-        ref = alone[i // 2]
+        ref = alone[i]
         same = out == ref
         hit = None if same else carries(out, canaries, a_texts)
         kind = "match" if same else ("leak" if hit else "numerics")
-        rows.append({"prompt": prompts[i // 2], "result": kind, "diverged_at_char": None if same else common(out, ref)})
+        rows.append({"prompt": prompts[i], "result": kind, "diverged_at_char": None if same else common(out, ref)})
         if hit:
             leaks.append(f"B's output under load carries A's text: {hit!r}")
     mismatches = sum(r["result"] != "match" for r in rows)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvseal.config import PoolConfig
-from kvseal.kv.pool import PagePool, PageState, PoolExhausted
+from kvseal.kv.pool import PagePool, PageState, PoolExhausted, tenant_tag
 
 
 def small_pool(pages: int = 8) -> PagePool:
@@ -56,6 +56,17 @@ def test_stale_page_table_fails_tag_check():
     assert table_ok(pool, b, 2)
     assert not table_ok(pool, a, 1)  # same page ids, old generation, other owner
     assert not table_ok(pool, b, 1)  # right generation, wrong owner
+
+
+def test_a_page_tagged_for_another_tenant_fails_the_tag_check():
+    """Owner and generation right, tenant wrong (e.g. a request id reused across tenants): refused."""
+    pool = small_pool(2)
+    a = pool.allocate(1, 2, tenant=tenant_tag("acme"))
+    table = torch.tensor([a.pages]), torch.tensor([a.generations]), torch.tensor([1]), torch.ones(1, 2, dtype=torch.bool)
+    assert pool.check_tables(*table, tenants=torch.tensor([tenant_tag("acme")], dtype=torch.int32)).item()
+    assert not pool.check_tables(*table, tenants=torch.tensor([tenant_tag("globex")], dtype=torch.int32)).item()
+    assert pool.run_ok(a, 1, PageState.OWNED, tenant_tag("acme"))
+    assert not pool.run_ok(a, 1, PageState.OWNED, tenant_tag("globex"))
 
 
 def test_reserved_and_quarantined_pages_are_not_readable():

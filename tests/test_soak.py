@@ -11,12 +11,12 @@ from soak import soak
 
 
 def test_short_soak_finds_nothing(capsys):
-    res = soak(seed=7, requests=300, kills=2, log=False)
+    res = soak(seed=7, requests=200, kills=2, log=False)
     assert res["ok"], res["findings"][:20]
-    assert res["codes"].get("normal:200", 0) > 150 and res["stats"]["public_hits"] > 0
+    assert res["codes"].get("normal:200", 0) > 100 and res["stats"]["public_hits"] > 0
     assert res["stats"].get("killed_prefill", 0) + res["stats"].get("killed_decode", 0) == 2
 
 
 def test_short_soak_sees_tenants_share_an_unsalted_cache():
-    res = soak(seed=8, requests=120, kills=0, log=False, unsafe=("--unsafe-no-cache-salt",))
+    res = soak(seed=8, requests=80, kills=0, log=False, unsafe=("--unsafe-no-cache-salt",))
     assert any("first public-prompt request read" in f for f in res["findings"]), res["findings"][:20]

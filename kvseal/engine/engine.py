@@ -31,7 +31,7 @@ from kvseal.engine.grammar import Grammars
 from kvseal.engine.runner import Runner
 from kvseal.engine.sampling import sample
 from kvseal.engine.sequence import Event, Phase, Sequence
-from kvseal.kv.pool import PagePool, PageRun
+from kvseal.kv.pool import PagePool, PageRun, tenant_tag
 from kvseal.kv.prefix import PrefixCache
 from kvseal.model.llama import LlamaModel
 
@@ -99,6 +99,11 @@ class Engine:
                 "free_pages": self.pool.num_available, "cached_pages": self.cache.pages if self.cache else 0,
                 "total_pages": self.pool.cfg.num_pages, "pool_tokens": self.pool.cfg.capacity_tokens,
                 "context_window": self.cfg.context_window}
+
+    def tenant_tag(self, tenant: str) -> int:
+        """The tag a tenant's pages carry. With unsalted cache keys (unsafe) tenants share cached pages, so
+        every tenant carries one tag, as in an engine without tenants."""
+        return tenant_tag(tenant) if self.cfg.protections.cache_salt else 0
 
     def page_counts(self) -> dict[str, int]:
         """Pages by state, and how many of them the prefix cache holds (read on any thread: a gauge)."""
@@ -209,6 +214,7 @@ class Engine:
                 raise BadRequest("response_format is not available on this engine", param="response_format")
             seq.matcher = self.grammars.matcher(seq.params.grammar, replay=seq.tokens[len(seq.prompt):])
         self.seqs[seq.rid] = seq
+        seq.tenant_tag = self.tenant_tag(seq.tenant)
         if self.cache:
             seq.space = self.cache.namespace(seq.tenant)
         if seq.group == seq.rid:
@@ -280,7 +286,7 @@ class Engine:
             if victim is s:
                 return False
         if need:
-            more = self.pool.allocate(s.rid, need)
+            more = self.pool.allocate(s.rid, need, tenant=s.tenant_tag)
             s.run = more if s.run is None else PageRun(s.run.pages + more.pages, s.run.generations + more.generations)
         return True
 
@@ -336,7 +342,7 @@ class Engine:
         for f in same:
             f.run = PageRun(leader.run.pages[:full], leader.run.generations[:full])
             if partial:
-                own = self.pool.allocate(f.rid, 1)
+                own = self.pool.allocate(f.rid, 1, tenant=f.tenant_tag)
                 self.pool.kv[own.pages[0]] = self.pool.kv[leader.run.pages[full]]
                 f.run = PageRun(f.run.pages + own.pages, f.run.generations + own.generations)
             f.num_cached, f.phase = n, Phase.RUNNING

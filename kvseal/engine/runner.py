@@ -49,7 +49,8 @@ class Runner:
         owners = torch.tensor([s.rid for s in seqs], dtype=torch.int64)
         groups = torch.tensor([NO_GROUP if s.group is None else s.group for s in seqs], dtype=torch.int64)
         spaces = torch.tensor([NO_GROUP if s.space is None else s.space for s in seqs], dtype=torch.int64)
-        return self.pool.check_tables(table, gens, owners, valid, groups, spaces).tolist()
+        tenants = torch.tensor([s.tenant_tag for s in seqs], dtype=torch.int32)
+        return self.pool.check_tables(table, gens, owners, valid, groups, spaces, tenants).tolist()
 
     def step(self, batch: list[tuple[Sequence, int]]) -> StepResult:
         """Run ``(sequence, tokens to feed)`` pairs as one forward; single-token rows go first."""

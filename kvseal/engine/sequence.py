@@ -55,6 +55,7 @@ class Sequence:
     matcher: object | None = None  # response_format's grammar state (kvseal.engine.grammar)
     logprob: Logprob | None = None  # the last sampled token's, when asked for
     tenant: str = "default"
+    tenant_tag: int = 0  # kvseal.kv.pool.tenant_tag of it, set at admission: on every page the request takes
     space: int | None = None  # the tenant's prefix-cache namespace (an owner id of shared pages)
     cache_keys: list[int] | None = None  # one per full prompt block, once looked up
     registered: int = 0  # prompt blocks already in the cache (hit or kept)

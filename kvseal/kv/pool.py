@@ -5,7 +5,7 @@ page is one contiguous block and a transfer of consecutive pages is one contiguo
 one memcpy). ``slot = page * page_size + offset``. Within a page, one layer's keys (or values) of one head
 are a contiguous ``[offset, head_dim]`` row, which the model gathers straight into attention's layout.
 
-Every page carries a tag ``(owner, generation, state)``. Freeing bumps the generation, so a page table entry
+Every page carries a tag ``(owner, tenant, generation, state)``. Freeing bumps the generation, so a page table entry
 ``(page, generation)`` taken at allocation goes stale the moment the page is freed. ``check_tables`` compares a
 whole batch's page tables with the tags in one vectorized operation before every forward pass that reads the
 pool. Freed pages are not zeroed (unless ``scrub_on_free``): safety comes from ownership, not from luck.
@@ -31,6 +31,7 @@ from enum import IntEnum
 from typing import Protocol
 
 import torch
+import xxhash
 
 from kvseal.config import PoolConfig
 
@@ -63,6 +64,11 @@ class Reclaimer(Protocol):
     def evict(self, n_pages: int) -> int: ...
 
 
+def tenant_tag(tenant: str) -> int:
+    """A tenant's tag on its pages: a 31-bit hash of its name, the same on every node and thread."""
+    return xxhash.xxh32_intdigest(tenant.encode()) & 0x7FFFFFFF
+
+
 def kv_shape(cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """The one definition of the pool layout, for the pool and for every transport's storage."""
     return (cfg.num_pages, num_layers, 2, kv_heads, cfg.page_size, head_dim)
@@ -81,6 +87,7 @@ class PagePool:
         n = cfg.num_pages
         self.owner = torch.full((n,), -1, dtype=torch.int64)
         self.generation = torch.zeros(n, dtype=torch.int64)
+        self.tenant = torch.zeros(n, dtype=torch.int32)  # tenant_tag of the request that took the page
         self.state = torch.zeros(n, dtype=torch.int8)
         self.refs = torch.zeros(n, dtype=torch.int32)  # holders of a SHARED page
         self.cached = torch.zeros(n, dtype=torch.bool)  # the prefix cache holds one of the page's references
@@ -101,7 +108,7 @@ class PagePool:
     def can_allocate(self, n_pages: int) -> bool:
         return n_pages <= len(self._free) or (self.reclaimer is not None and n_pages <= self.num_available)
 
-    def allocate(self, owner: int, n_pages: int, state: PageState = PageState.OWNED) -> PageRun:
+    def allocate(self, owner: int, n_pages: int, state: PageState = PageState.OWNED, tenant: int = 0) -> PageRun:
         if n_pages > len(self._free) and self.reclaimer is not None:
             self.reclaimer.evict(n_pages - len(self._free))
         if n_pages > len(self._free):
@@ -109,6 +116,7 @@ class PagePool:
         pages = [self._free.popleft() for _ in range(n_pages)]
         idx = torch.tensor(pages, dtype=torch.int64)
         self.owner[idx] = owner
+        self.tenant[idx] = tenant
         self.state[idx] = int(state)
         return PageRun(tuple(pages), tuple(self.generation[idx].tolist()))
 
@@ -176,10 +184,10 @@ class PagePool:
     # -- the read-side check --------------------------------------------------------------------------
     def check_tables(self, table: torch.Tensor, gens: torch.Tensor, owners: torch.Tensor,
                      valid: torch.Tensor, groups: torch.Tensor | None = None,
-                     spaces: torch.Tensor | None = None) -> torch.Tensor:
+                     spaces: torch.Tensor | None = None, tenants: torch.Tensor | None = None) -> torch.Tensor:
         """One vectorized comparison of a batch's page tables [B, P] with the tags: ok per request [B]. A page
         passes if the request owns it, or if it is SHARED and owned by the request's group or by its tenant's
-        cache namespace."""
+        cache namespace; and, given ``tenants``, only if it is tagged with the request's tenant."""
         owner, state = self.owner[table], self.state[table]
         mine = (owner == owners[:, None]) & (state == PageState.OWNED)
         shared = state == PageState.SHARED
@@ -188,13 +196,17 @@ class PagePool:
         if spaces is not None:
             mine |= (owner == spaces[:, None]) & shared
         ok = mine & (self.generation[table] == gens)
+        if tenants is not None:
+            ok &= self.tenant[table] == tenants[:, None]
         return (ok | ~valid).all(dim=1)
 
-    def run_ok(self, run: PageRun, owner: int, state: PageState) -> bool:
+    def run_ok(self, run: PageRun, owner: int, state: PageState, tenant: int | None = None) -> bool:
         idx = torch.tensor(run.pages, dtype=torch.int64)
         gens = torch.tensor(run.generations, dtype=torch.int64)
-        return bool(((self.owner[idx] == owner) & (self.generation[idx] == gens)
-                     & (self.state[idx] == int(state))).all())
+        ok = (self.owner[idx] == owner) & (self.generation[idx] == gens) & (self.state[idx] == int(state))
+        if tenant is not None:
+            ok &= self.tenant[idx] == tenant
+        return bool(ok.all())
 
     def holding(self, run: PageRun, owner: int, *shared_owners: int | None) -> PageRun:
         """The part of ``run`` whose tags still name this request (its own pages, or shared ones of its group or

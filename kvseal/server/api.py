@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import Awaitable
@@ -37,6 +38,7 @@ from kvseal.server.schema import ChatRequest, CompletionRequest, DetokenizeReque
 from kvseal.server.tenants import Tenants
 from kvseal.server.text import TextStream, TokenStrings
 
+log = logging.getLogger("kvseal.api")
 
 class ModelNotFound(BadRequest):
     status = 404
@@ -93,13 +95,16 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     vocab = len(tokenizer)
 
     @app.exception_handler(EngineError)
-    async def _engine_error(_: Request, e: EngineError) -> JSONResponse:
-        metrics.requests.labels(str(e.status)).inc()
+    async def _engine_error(request: Request, e: EngineError) -> JSONResponse:
+        tenant = getattr(request.state, "tenant", None)
+        metrics.finished(e.status, tenant)
+        if e.status >= 500:
+            log.warning("request failed: tenant=%s status=%s code=%s: %s", tenant, e.status, e.code, e)
         return error_response(e)
 
     @app.exception_handler(ClientGone)
-    async def _gone(_: Request, e: ClientGone) -> Response:
-        metrics.requests.labels("499").inc()
+    async def _gone(request: Request, e: ClientGone) -> Response:
+        metrics.finished(499, getattr(request.state, "tenant", None))
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
     @app.get("/health")
@@ -169,7 +174,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
 
     async def serve(request: Request, req: Sampling, prompts: list[list[int]], chat: bool,
                     echo: list[str] | None = None) -> Response:
-        tenant = tenants.authenticate(request.headers.get("authorization"))
+        tenant = request.state.tenant = tenants.authenticate(request.headers.get("authorization"))
         if req.model != backend.model_name:
             raise ModelNotFound(f"model {req.model!r} does not exist; this server serves {backend.model_name!r}",
                                 param="model")
@@ -192,6 +197,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                 events = backend.generate(GenRequest(rid, tenant, prompt, params, group))
                 replies.append(Reply(len(replies), events, TextStream(tokenizer, req.stop, req.min_tokens),
                                      metrics, started))
+                replies[-1].tenant = tenant
         firsts = await unless_gone(request, first_pieces(replies))  # raises the request's error before any status
         if echo:
             for r, f in zip(replies, firsts):

@@ -243,7 +243,7 @@ class DecodeService:
         if self.prot.admission and n > self.engine.cfg.admit_limit:
             raise ContextLengthError(len(r.prompt), r.max_new, self.engine.cfg.context_window,
                                      self.pool.cfg.capacity_tokens)
-        run = await self._take_pages(r.rid, self.pool.cfg.pages_for(len(r.prompt)))
+        run = await self._take_pages(r.rid, self.pool.cfg.pages_for(len(r.prompt)), self.engine.tenant_tag(r.tenant))
         if self.lease_ttl and self._expiry is None:
             self._expiry = asyncio.ensure_future(self._expire_loop())
         try:
@@ -270,14 +270,14 @@ class DecodeService:
         if sum(st.router == router for st in self.leases.values()) >= self.max_leases:
             raise TooManyRequests(f"{self.max_leases} leases open for router {router}")
 
-    async def _take_pages(self, rid: int, need: int) -> PageRun:
+    async def _take_pages(self, rid: int, need: int, tenant: int) -> PageRun:
         """The prompt's pages, RESERVED for the lease (decode grows them as it generates). A pool that has
         them not *now* is waited on, up to ``reserve_wait`` seconds, by at most ``max_waiting`` requests; past
         either bound the answer is 503 and the router tells the client to retry."""
         def take() -> PageRun | None:
             spare = len(self.engine.running)  # a page of growth for every running request, as the engine admits
             ok = self.pool.can_allocate(need + spare)
-            return self.pool.allocate(rid, need, PageState.RESERVED) if ok else None
+            return self.pool.allocate(rid, need, PageState.RESERVED, tenant) if ok else None
 
         if self.waiting_reserves >= self.max_waiting:
             raise Overloaded(f"decode reserve queue full ({self.max_waiting} waiting)")
@@ -320,7 +320,8 @@ class DecodeService:
         self._conceal(rid)
         if st.aborted:  # aborted after the loop let this commit through: the abort owns the pages now
             return P.Ack(ok=False, status=503, code=LeaseRevoked.code, message=f"request {rid}: lease aborted")
-        if self.prot.page_tags and not self.pool.run_ok(st.run, rid, PageState.RESERVED):
+        if self.prot.page_tags and not self.pool.run_ok(st.run, rid, PageState.RESERVED,
+                                                         self.engine.tenant_tag(st.reserve.tenant)):
             return self._reject(st, KVIntegrityError(f"request {rid}: leased pages no longer reserved for it"))
         if self.prot.checksum:
             got = P.checksum(self.pool.kv, c.pages, c.n_tokens, rid, c.nonce, c.pages, c.generations, c.first_token)
@@ -335,7 +336,7 @@ class DecodeService:
         params = SamplingParams(max_tokens=r.max_new, **r.sampling)
         seq = Sequence(rid, list(r.prompt), params, st.sink, eos_ids=self.eos,
                        tokens=list(r.prompt) + [c.first_token], num_cached=len(r.prompt), run=st.run,
-                       phase=Phase.RUNNING)
+                       phase=Phase.RUNNING, tenant=r.tenant)
         reason = seq.finish_reason(c.first_token)
         if reason:  # the first token already ended it: nothing to decode
             self.pool.free(st.run)

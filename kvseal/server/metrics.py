@@ -13,7 +13,8 @@ MAX_TENANT_LABELS = 64  # tenants come from the key file; past this many, the re
 class Metrics:
     def __init__(self, pool_counts: Callable[[], dict[str, int]] | None = None) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvseal_requests", "Finished requests by HTTP status", ["status"], registry=r)
+        self.requests = Counter("kvseal_requests", "Finished requests by HTTP status and tenant", ["status", "tenant"],
+                                registry=r)
         self.prompt_tokens = Counter("kvseal_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("kvseal_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("kvseal_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
@@ -42,6 +43,9 @@ class Metrics:
             self._tenants.add(name)
             return name
         return "other"
+
+    def finished(self, status: int | str, tenant: str | None) -> None:
+        self.requests.labels(str(status), self.tenant(tenant) if tenant else "unknown").inc()
 
     def cache_lookup(self, tenant: str, prompt_tokens: int, hit_tokens: int) -> None:
         label = self.tenant(tenant)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from kvseal.engine.sampling import Logprob
 from kvseal.engine.sequence import Event
 from kvseal.server.metrics import Metrics
 from kvseal.server.text import TextStream, TokenStrings
+
+log = logging.getLogger("kvseal.api")
 
 
 def error_response(e: EngineError) -> JSONResponse:
@@ -50,6 +53,7 @@ class Reply:
         self.offset = 0  # characters sent so far (completions' text_offset)
         self.finish: str | None = None
         self.cached_tokens = 0  # of the prompt, read from the prefix cache
+        self.tenant: str | None = None
 
     async def first(self) -> Piece:
         try:
@@ -164,11 +168,11 @@ async def whole(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_
     try:
         done = await asyncio.gather(*tasks)
     except EngineError as e:
-        replies[0].metrics.requests.labels(str(e.status)).inc()
+        replies[0].metrics.finished(e.status, replies[0].tenant)
         return error_response(e)
     finally:
         await close_all(replies, tasks)
-    replies[0].metrics.requests.labels("200").inc()
+    replies[0].metrics.finished(200, replies[0].tenant)
     texts = [t for t, _ in done]
     return JSONResponse(fmt.body(replies, texts, [lp if want_logprobs else None for _, lp in done]))
 
@@ -200,13 +204,15 @@ async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_lo
             if item is None:
                 live -= 1
             elif isinstance(item, EngineError):  # the status is sent already: say so in-band
-                r.metrics.requests.labels(str(item.status)).inc()
+                r.metrics.finished(item.status, r.tenant)
+                log.warning("request %s failed mid-stream: tenant=%s status=%s %s", fmt.ident, r.tenant, item.status,
+                            item)
                 yield f"data: {json.dumps({'error': item.to_dict()})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
                 return
             elif item.text or item.finish or item.logprobs and want_logprobs:
                 yield fmt.chunk([fmt.choice(r, item.text, lp(item), delta=True, finish=item.finish)])
-        replies[0].metrics.requests.labels("200").inc()
+        replies[0].metrics.finished(200, replies[0].tenant)
         if include_usage:
             yield fmt.chunk([], fmt.usage(replies))
         yield b"data: [DONE]\n\n"
