@@ -7,9 +7,11 @@ a. **admission boundary**: token-id prompts of context-1, context and context+1 
 b. **canary cross-contamination**: A sends long prompts made of fresh random canaries, each followed by one of
    B's prompts (short, and 50-130% of the context: past what a smaller prefill pool holds, as in the 2026
    incident); then A and B send at once. A canary in B's output is a leak. So is B's greedy answer to the same
-   prompt changing from its first characters between the two rounds: it read state it did not write (a server
-   that attends over stale pages answers noise that moves with other tenants' traffic, rarely the canary
-   itself). A prompt past the context answered 200 is a wrong status.
+   prompt changing from its first characters between the two rounds, where the token it parted on led its
+   runner-up by at least a nat in both answers (logprobs, where the server gives them): it read state it did not
+   write (a server that attends over stale pages answers noise that moves with other tenants' traffic, rarely
+   the canary itself). A flip at a near-tie is batch numerics and only noted. A prompt past the context
+   answered 200 is a wrong status.
 c. **interference**: B's greedy outputs alone, then under A's concurrent load. A mismatch that carries A's text
    (a canary, or 8 words in a row of A's prompts) is a leak; any other mismatch is batch numerics (a different
    batch shape changes a near-tie), reported with where it diverged.
@@ -67,11 +69,14 @@ class Client:
     def _auth(self, tenant: str) -> dict:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
 
-    def complete(self, tenant: str, prompt: str | list[int], max_tokens: int) -> tuple[int, dict, float]:
+    def complete(self, tenant: str, prompt: str | list[int], max_tokens: int,
+                 logprobs: int | None = None) -> tuple[int, dict, float]:
         """(status, body, seconds) of a greedy /v1/completions call."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        if logprobs:
+            body["logprobs"] = logprobs
         t0 = time.perf_counter()
-        r = self.http.post(self.url + "/v1/completions", headers=self._auth(tenant),
-                           json={"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        r = self.http.post(self.url + "/v1/completions", headers=self._auth(tenant), json=body)
         took = time.perf_counter() - t0
         try:
             body = r.json()
@@ -139,14 +144,16 @@ def check_canaries(c: Client, rng: random.Random) -> dict:
     a_texts = [a_prompt(c, k, int(ctx * 0.85)) for k in canaries]
     b_short = ["The capital of France is", "Write a haiku about rain.", "List three colors:"]
     b_long = [sized(c, "Tell me about the weather. ", int(ctx * f)) for f in (1.3, 0.9, 0.7, 0.5)]
-    results, leaks, wrong = [], [], []
+    results, leaks, wrong, notes = [], [], [], []
 
     def b_sends(p: str, tag: str) -> None:
-        status, body, _ = c.complete("B", p, 24)
+        status, body, _ = c.complete("B", p, 24, logprobs=2)
+        if status == 400 and "logprobs" in str(body):  # a server without logprobs: the text alone
+            status, body, _ = c.complete("B", p, 24)
         n = c.count(p)
         hit = carries(text_of(body), canaries, a_texts) if status == 200 else None
         results.append({"phase": tag, "prompt_tokens": n, "status": status, "leak": hit,
-                        "output": text_of(body), "prompt": p})
+                        "output": text_of(body), "prompt": p, "logprobs": logprobs_of(body)})
         if hit:
             leaks.append(f"B ({n} prompt tokens, {tag}) got A's text: {hit!r}")
         if status == 200 and n is not None and n + 24 > ctx:
@@ -165,11 +172,47 @@ def check_canaries(c: Client, rng: random.Random) -> dict:
     for p in b_long + b_short:  # the same greedy prompt, after A and alongside A: its answer must not move
         a, b = (r for r in results if r["prompt"] == p)
         if a["status"] == b["status"] == 200 and a["output"] != b["output"] and common(a["output"], b["output"]) < 16:
-            leaks.append(f"B's answer to its {a['prompt_tokens']}-token prompt changed with A's traffic from the "
-                         f"start: {a['output'][:24]!r} vs {b['output'][:24]!r} (it read state it did not write)")
+            margin = flip_margin(a["logprobs"], b["logprobs"])
+            what = (f"B's answer to its {a['prompt_tokens']}-token prompt changed with A's traffic from the start: "
+                    f"{a['output'][:24]!r} vs {b['output'][:24]!r}")
+            if margin is not None and margin < NEAR_TIE:
+                notes.append(f"{what}; a near-tie (margin {margin:.2f} nats): batch numerics, not counted")
+            else:
+                margin_s = "unknown" if margin is None else f"{margin:.2f} nats"
+                leaks.append(f"{what}, past any near-tie (margin {margin_s}): it read state it did not write")
     for r in results:
-        del r["prompt"]
-    return {"canaries": canaries, "rows": results, "leaks": leaks, "wrong_status": wrong}
+        del r["prompt"], r["logprobs"]
+    return {"canaries": canaries, "rows": results, "leaks": leaks, "wrong_status": wrong, "notes": notes}
+
+
+NEAR_TIE = 1.0  # nats between a greedy token and the runner-up below which a flip is batch numerics
+
+
+def logprobs_of(body: dict) -> tuple[list[str], list[dict]] | None:
+    """(tokens, top_logprobs) of a completions answer that carries logprobs."""
+    try:
+        lp = body["choices"][0]["logprobs"]
+        return list(lp["tokens"]), list(lp["top_logprobs"])
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def flip_margin(a: tuple | None, b: tuple | None) -> float | None:
+    """At the first token where two greedy answers part, how far each answer's own choice led its runner-up (the
+    smaller of the two): under a nat or so, a different batch shape can flip it; far past that, only a different
+    context can. None without logprobs."""
+    if a is None or b is None:
+        return None
+    k = next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), None)
+    if k is None:
+        return None
+    margins = []
+    for _, top in (a, b):
+        vals = sorted((v for v in (top[k] or {}).values() if v is not None), reverse=True)
+        if len(vals) < 2:
+            return None
+        margins.append(vals[0] - vals[1])
+    return min(margins)
 
 
 def common(x: str, y: str) -> int:
