@@ -108,11 +108,12 @@ class PrefixCache:
 
     def evict(self, n_pages: int) -> int:
         """Free up to ``n_pages`` cached pages that nobody else holds, least recently used first."""
+        idle = set((self.pool.cached & (self.pool.refs == 1)).nonzero().flatten().tolist())  # one look, no loop
         gone: list[int] = []
         for k, e in self._entries.items():
             if len(gone) == n_pages:
                 break
-            if int(self.pool.refs[e.page]) == 1:
+            if e.page in idle:
                 gone.append(k)
         for k in gone:
             self._drop(k)
