@@ -16,7 +16,9 @@ def kernel():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,dim,page", [(9, 3, 64, 16), (8, 8, 32, 4), (12, 2, 128, 8)])
+@pytest.mark.parametrize("heads,kv_heads,dim,page", [
+    (9, 3, 64, 16), (8, 8, 32, 16), (12, 2, 128, 16), (16, 2, 64, 16),  # bf16 fast path: 16-slot pages
+    (8, 8, 32, 4), (12, 2, 128, 8), (18, 2, 64, 16)])  # the portable loop (odd pages, a group of 9)
 def test_kernel_matches_reference(kernel, dtype, tol, heads, kv_heads, dim, page):
     gen = torch.Generator().manual_seed(heads * dim + page)
     layers, n_pages = 3, 64

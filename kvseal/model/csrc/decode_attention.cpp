@@ -9,6 +9,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -38,9 +41,189 @@ inline void widen(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
 }
 
+// x[i] = exp(x[i] - shift) for i < n. The softmax's exponentials were most of the kernel's time as scalar
+// std::exp calls; with AVX-512 this is Cephes' expf (Cody-Waite reduction by ln 2, degree-5 polynomial, about
+// 1 ulp) on 16 lanes, scaled by 2^k with vscalefps. Elsewhere, the scalar std::exp.
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  // exp underflows to 0 below here anyway
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline void exp_shifted(float* x, int64_t n, float shift) {
+  const __m512 sh = _mm512_set1_ps(shift);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(live, x + i);
+    _mm512_mask_storeu_ps(x + i, live, exp16(_mm512_sub_ps(v, sh)));
+  }
+}
+#else
+inline void exp_shifted(float* x, int64_t n, float shift) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - shift);
+}
+#endif
+
 constexpr int kMaxGroup = 16;
 constexpr int kMaxDim = 256;
 constexpr int kMaxPage = 128;
+
+// The bf16 fast path for 16-slot pages (AVX-512 BF16): a page's 16 keys are turned into 4 x 4 columns of
+// bf16 pairs (two rounds of unpacks), so one vdpbf16ps scores 4 keys against 4 query pairs, and the 16
+// scores come out as one vector (no horizontal sum per key). bf16 x bf16 products are exact in fp32 and the
+// sums are fp32, as in the reference's matmul. Values are widened once per page and shared by the group's G
+// queries, whose accumulators stay in registers. The next page is prefetched while this one is scored.
+#if defined(__AVX512BF16__)
+using FastTask = void (*)(const uint16_t* q, const uint16_t* kv, const int64_t* pages, int64_t len,
+                          int64_t page_stride, int64_t head_off, int64_t v_off, float scale, uint16_t* out);
+
+inline __m512 widen16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+constexpr int AHEAD = 2;  // pages prefetched ahead
+
+template <int G, int C>  // G queries per kv head, C = head_dim / 32
+void fast_task(const uint16_t* q, const uint16_t* kv, const int64_t* pages, int64_t len, int64_t page_stride,
+               int64_t head_off, int64_t v_off, float scale, uint16_t* out) {
+  constexpr int D = 32 * C, NV = D / 16, P = 16;
+  // qv[g][c][k], lane (L, r): the query pair (dword) 4L + k of chunk c, as the key columns are laid out below
+  __m512i qv[G][C][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) {
+      const __m512i qd = _mm512_loadu_si512(q + g * D + 32 * c);
+      for (int k = 0; k < 4; ++k) {
+        const __m512i idx = _mm512_set_epi32(12 + k, 12 + k, 12 + k, 12 + k, 8 + k, 8 + k, 8 + k, 8 + k, 4 + k,
+                                             4 + k, 4 + k, 4 + k, k, k, k, k);
+        qv[g][c][k] = _mm512_permutexvar_epi32(idx, qd);
+      }
+    }
+  __m512 acc[G][NV];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  alignas(64) float pw[G][P];
+  for (int64_t p = 0; p < AHEAD - 1 && (p + 1) * P < len; ++p) {  // the pages before the first prefetched one
+    const char* nk = reinterpret_cast<const char*>(kv + pages[p + 1] * page_stride + head_off);
+    for (int i = 0; i < P * D * 2; i += 64) {
+      _mm_prefetch(nk + i, _MM_HINT_T0);
+      _mm_prefetch(nk + v_off * 2 + i, _MM_HINT_T0);
+    }
+  }
+  for (int64_t p = 0; p * P < len; ++p) {
+    const int n = len - p * P < P ? static_cast<int>(len - p * P) : P;
+    const uint16_t* kp = kv + pages[p] * page_stride + head_off;
+    const uint16_t* vp = kp + v_off;
+    if ((p + AHEAD) * P < len) {
+      const char* nk = reinterpret_cast<const char*>(kv + pages[p + AHEAD] * page_stride + head_off);
+      for (int i = 0; i < P * D * 2; i += 64) {
+        _mm_prefetch(nk + i, _MM_HINT_T0);
+        _mm_prefetch(nk + v_off * 2 + i, _MM_HINT_T0);
+      }
+    }
+    // keys: u[c][i][k] lane (L, r) = key 4i + r, dword 4L + k of chunk c (slots >= n hold whatever the page
+    // holds; their scores are masked below and their values never read)
+    __m512i u[C][4][4];
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < 4; ++i) {
+        const __m512i r0 = _mm512_loadu_si512(kp + (4 * i + 0) * D + 32 * c);
+        const __m512i r1 = _mm512_loadu_si512(kp + (4 * i + 1) * D + 32 * c);
+        const __m512i r2 = _mm512_loadu_si512(kp + (4 * i + 2) * D + 32 * c);
+        const __m512i r3 = _mm512_loadu_si512(kp + (4 * i + 3) * D + 32 * c);
+        const __m512i t0 = _mm512_unpacklo_epi32(r0, r1), t1 = _mm512_unpackhi_epi32(r0, r1);
+        const __m512i t2 = _mm512_unpacklo_epi32(r2, r3), t3 = _mm512_unpackhi_epi32(r2, r3);
+        u[c][i][0] = _mm512_unpacklo_epi64(t0, t2);
+        u[c][i][1] = _mm512_unpackhi_epi64(t0, t2);
+        u[c][i][2] = _mm512_unpacklo_epi64(t1, t3);
+        u[c][i][3] = _mm512_unpackhi_epi64(t1, t3);
+      }
+    const __mmask16 live = n == P ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g) {
+      __m512 a[4];
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c)
+          for (int k = 0; k < 4; ++k)
+            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)u[c][i][k], (__m512bh)qv[g][c][k]);
+      }
+      // lane (L, r) of a[i] holds a quarter of key 4i + r's score: sum the quarters, keys in lane order
+      const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+      const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+      __m512 sc = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+      sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
+      const float page_max = _mm512_reduce_max_ps(sc);
+      const float mx = page_max > m[g] ? page_max : m[g];
+      const __m512 pr = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+      const float corr = std::exp(m[g] - mx);
+      m[g] = mx;
+      l[g] = l[g] * corr + _mm512_reduce_add_ps(pr);
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], cv);
+      _mm512_store_ps(pw[g], pr);
+    }
+    for (int t = 0; t < n; ++t)
+      for (int v = 0; v < NV; ++v) {
+        const __m512 vv = widen16(vp + t * D + 16 * v);
+        for (int g = 0; g < G; ++g) acc[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(pw[g][t]), vv, acc[g][v]);
+      }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    for (int v = 0; v < NV; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + 16 * v),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][v], inv)));
+  }
+}
+
+template <int C>
+FastTask fast_for_group(int64_t group) {
+  switch (group) {
+    case 1: return fast_task<1, C>;
+    case 2: return fast_task<2, C>;
+    case 3: return fast_task<3, C>;
+    case 4: return fast_task<4, C>;
+    case 5: return fast_task<5, C>;
+    case 6: return fast_task<6, C>;
+    case 7: return fast_task<7, C>;
+    case 8: return fast_task<8, C>;
+    default: return nullptr;
+  }
+}
+
+inline FastTask fast_path(const uint16_t*, int64_t group, int64_t dim, int64_t page_size) {
+  if (page_size != 16) return nullptr;
+  switch (dim) {
+    case 32: return fast_for_group<1>(group);
+    case 64: return fast_for_group<2>(group);
+    case 128: return fast_for_group<4>(group);
+    default: return nullptr;
+  }
+}
+#else
+using FastTask = void (*)(const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                          float, uint16_t*);
+inline FastTask fast_path(const uint16_t*, int64_t, int64_t, int64_t) { return nullptr; }
+#endif
+inline void (*fast_path(const float*, int64_t, int64_t, int64_t))(const float*, const float*, const int64_t*,
+                                                                   int64_t, int64_t, int64_t, int64_t, float,
+                                                                   float*) {
+  return nullptr;  // fp32 pools (tests, references) take the portable loop
+}
 
 template <typename T>
 void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, const int64_t* pages,
@@ -50,9 +233,15 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, con
   const int64_t row = page_size * dim;                  // one head's keys (or values) in one page
   const int64_t page_stride = layers * 2 * kv_heads * row;
   const int64_t layer_off = layer * 2 * kv_heads * row;
+  const auto fast = fast_path(q, group, dim, page_size);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < batch * kv_heads; ++task) {
     const int64_t b = task / kv_heads, h = task % kv_heads;
+    if (fast != nullptr) {
+      fast(q + b * q_row_stride + h * group * dim, kv, pages + b * max_pages, lens[b], page_stride,
+           layer_off + h * row, kv_heads * row, scale, out + (b * heads + h * group) * dim);
+      continue;
+    }
     float qf[kMaxGroup][kMaxDim], acc[kMaxGroup][kMaxDim], m[kMaxGroup], l[kMaxGroup];
     float s[kMaxGroup][kMaxPage];
     alignas(64) float kf[kMaxPage * kMaxDim], vf[kMaxPage * kMaxDim];
@@ -84,13 +273,16 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, con
         }
         const float corr = std::exp(m[g] - mx);
         m[g] = mx;
-        l[g] *= corr;
+        exp_shifted(s[g], n, mx);  // s[g][t] = exp(s[g][t] - mx), vectorized
         float* a = acc[g];
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) sum += s[g][t];
+        l[g] = l[g] * corr + sum;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
         for (int64_t t = 0; t < n; ++t) {
-          const float w = std::exp(s[g][t] - mx);
-          l[g] += w;
+          const float w = s[g][t];
           const float* v = vf + t * dim;
 #pragma omp simd
           for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
