@@ -1,17 +1,19 @@
-"""The compiled paged decode kernel equals the plain-PyTorch reference: ragged lengths, fragmented pages, GQA,
-partial last pages, bf16 and fp32; and the real model picks it up."""
+"""The compiled kernels equal their plain-PyTorch references: the paged decode kernel over ragged lengths,
+fragmented pages, GQA, partial last pages, bf16 and fp32; the fused norm, RoPE + K/V store and SiLU * up; and
+the real model's fused forward gives the reference's tokens."""
 
 import pytest
 import torch
 
-from kvseal.model.attention import decode_attention, gather_kv, gather_rows
-from kvseal.model.kernels import DecodeKernel, library_path
+from kvseal.model.attention import decode_attention, gather_kv, gather_rows, scatter_kv, write_rows
+from kvseal.model.kernels import DecodeKernel, FusedOps, library_path
+from kvseal.model.llama import apply_rope, rms_norm, rope_tables
 
 
 @pytest.fixture(scope="module")
 def kernel():
     path = library_path()
-    assert path is not None, "the install did not build kvseal/model/_decode_attention (see setup.py)"
+    assert path is not None, "the install did not build kvseal/model/_kernels (see setup.py)"
     return DecodeKernel(path)
 
 
@@ -41,3 +43,85 @@ def test_kernel_matches_reference(kernel, dtype, tol, heads, kv_heads, dim, page
 
 def test_the_model_uses_the_kernel(bf16_model, fp32_model):
     assert bf16_model.model.decode_kernel is not None and fp32_model.model.decode_kernel is not None
+
+
+def _assert_rounding_apart(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16: at most one representable step apart, and rarely (a sum in another order, an exp an ulp off);
+    fp32: within a few fp32 ulps."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=3e-6, atol=1e-6)
+        return
+    far = (got.view(torch.int16).long() - ref.view(torch.int16).long()).abs()
+    assert far.max() <= 1 and (far > 0).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fused_add_rms_norm_matches_reference(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    ops = FusedOps(library_path(), dtype)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    delta = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    ref_x = x + delta
+    ref = rms_norm(ref_x, w, 1e-5)
+    got = ops.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(x, ref_x)  # the residual add happened in place, rounded as torch rounds
+    _assert_rounding_apart(got, ref)  # the sum of squares is taken in another order
+    assert torch.equal(ops.add_rms_norm(ref_x.clone(), None, w, 1e-5), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rope_store_matches_reference(dtype):
+    from kvseal.config import ModelConfig
+    gen = torch.Generator().manual_seed(5)
+    heads, kvh, dim, layers, page, n_pages, n = 9, 3, 64, 4, 16, 32, 40
+    cfg = ModelConfig(vocab_size=10, hidden_size=heads * dim, intermediate_size=8, num_layers=layers,
+                      num_heads=heads, num_kv_heads=kvh, head_dim=dim, rope_theta=100000.0, rms_eps=1e-5,
+                      max_context=4096)
+    cos, sin = rope_tables(cfg, dtype)
+    qkv = torch.randn(n, (heads + 2 * kvh) * dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (n,), generator=gen)
+    slots = torch.randperm(n_pages * page, generator=gen)[:n]
+    kv_ref = torch.randn(n_pages, layers, 2, kvh, page, dim, generator=gen).to(dtype)
+    kv_got = kv_ref.clone()
+    qk = apply_rope(qkv[:, : (heads + kvh) * dim].view(n, heads + kvh, dim), cos[positions].unsqueeze(1),
+                    sin[positions].unsqueeze(1))
+    rows = write_rows(kv_ref, slots)
+    scatter_kv(kv_ref, rows, 2, 0, qk[:, heads:])
+    scatter_kv(kv_ref, rows, 2, 1, qkv[:, (heads + kvh) * dim:].view(n, kvh, dim))
+    got = qkv.clone()
+    FusedOps(library_path(), dtype).rope_store(got, heads, kvh, cos, sin, positions, kv_got, slots, 2)
+    assert torch.equal(got[:, : (heads + kvh) * dim], qk.reshape(n, -1))  # rounded step for step: exact
+    assert torch.equal(got[:, (heads + kvh) * dim:], qkv[:, (heads + kvh) * dim:])
+    assert torch.equal(kv_got, kv_ref)  # the same slots written, nothing else touched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_fused_silu_mul_matches_reference(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (3 * torch.randn(rows, 2 * 1544, generator=gen)).to(dtype)  # 1544: a tail past the 16-wide loop
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    _assert_rounding_apart(FusedOps(library_path(), dtype).silu_mul(gate_up), ref)
+
+
+def test_the_fused_forward_gives_the_reference_tokens(bf16_model):
+    """The real model, bf16, one batch of prompts: the fused layers and the plain ones pick the same greedy
+    tokens with logits within bf16 noise."""
+    from engine_util import chat_ids, generate, make_engine
+    model = bf16_model.model
+    fused = model.fused
+    assert fused is not None
+    prompts = [chat_ids(bf16_model, p) for p in ("Name three primary colors.", "Count from one to five.")]
+    runs = []
+    try:
+        for ops in (fused, None):
+            model.fused = ops
+            engine = make_engine(bf16_model, dtype="bf16")
+            runs.append(generate(engine, prompts, 12))
+            engine.stop()
+    finally:
+        model.fused = fused
+    assert runs[0] == runs[1]

@@ -1,11 +1,12 @@
-"""The project's own compiled kernel: paged decode attention that reads the pool in place.
+"""The project's own compiled kernels: paged decode attention that reads the pool in place, and the fused
+per-layer ops (residual add + RMSNorm, RoPE + K/V store, SiLU * up).
 
-``csrc/decode_attention.cpp`` is built by the normal install (``setup.py``, g++ with ``-march=native`` and
-OpenMP) into ``kvseal/model/_decode_attention*.so`` and called through ctypes; it has a C ABI and no Python or
-PyTorch headers. It shares PyTorch's OpenMP runtime (the same ``libgomp.so.1``), so ``torch.set_num_threads``
-governs it too, and ctypes drops the GIL for the call. The plain-PyTorch reference
-(``kvseal.model.attention.decode_attention``) stays, and is used when the library is absent or
-``KVSEAL_KERNELS=off``; ``tests/test_kernels.py`` holds the two equal.
+``csrc/*.cpp`` are built by the normal install (``setup.py``, g++ with ``-march=native`` and OpenMP) into
+``kvseal/model/_kernels*.so`` and called through ctypes; it has a C ABI and no Python or PyTorch headers. It shares PyTorch's OpenMP runtime (the same ``libgomp.so.1``), so ``torch.set_num_threads``
+governs it too, and ctypes drops the GIL for the call. The plain-PyTorch references
+(``kvseal.model.attention.decode_attention``; ``rms_norm``, ``apply_rope``, ``scatter_kv`` and
+``F.silu(gate) * up`` in ``kvseal.model.llama``) stay, and are used when the library is absent or
+``KVSEAL_KERNELS=off``; ``tests/test_kernels.py`` holds each kernel equal to its reference.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
 
 
 def library_path() -> str | None:
-    spec = importlib.util.find_spec("kvseal.model._decode_attention")
+    spec = importlib.util.find_spec("kvseal.model._kernels")
     return spec.origin if spec is not None else None
 
 
@@ -58,12 +59,63 @@ class DecodeKernel:
         return out
 
 
+class FusedOps:
+    """The fused per-layer ops, on contiguous tensors of the model dtype (bf16 or fp32)."""
+
+    def __init__(self, path: str, dtype: torch.dtype) -> None:
+        lib = ctypes.CDLL(path)
+        suffix = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+        self._norm = getattr(lib, f"kvseal_add_rms_norm_{suffix}")
+        self._norm.argtypes, self._norm.restype = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float], None
+        self._rope = getattr(lib, f"kvseal_rope_store_{suffix}")
+        self._rope.argtypes, self._rope.restype = [_PTR, *[_I64] * 5, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 3], None
+        self._silu = getattr(lib, f"kvseal_silu_mul_{suffix}")
+        self._silu.argtypes, self._silu.restype = [_PTR, _PTR, _I64, _I64], None
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``x += delta`` in place (when given), then returns ``rms_norm(x, weight, eps)``."""
+        n, hidden = x.shape
+        assert x.is_contiguous() and (delta is None or delta.is_contiguous()) and weight.is_contiguous()
+        out = torch.empty_like(x)
+        self._norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                   n, hidden, eps)
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+        """Rotates the query and key heads of ``qkv [n, (heads + 2 kv_heads) * D]`` in place and writes keys
+        and values to ``slots`` of ``layer`` in the page-major pool ``kv``."""
+        n = qkv.shape[0]
+        dim = kv.shape[5]
+        assert qkv.stride(1) == 1 and kv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        assert positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()
+        self._rope(qkv.data_ptr(), n, qkv.stride(0), heads, kv_heads, dim, cos.data_ptr(), sin.data_ptr(),
+                   positions.data_ptr(), kv.data_ptr(), slots.data_ptr(), kv.shape[1], layer, kv.shape[4])
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``F.silu(gate) * up`` for ``gate_up [n, 2 * inter]`` (gate first)."""
+        n, two = gate_up.shape
+        assert gate_up.is_contiguous()
+        out = torch.empty((n, two // 2), dtype=gate_up.dtype)
+        self._silu(gate_up.data_ptr(), out.data_ptr(), n, two // 2)
+        return out
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("KVSEAL_KERNELS", "on") != "off" and library_path() is not None
+
+
 def load_decode_kernel(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> DecodeKernel | None:
     """The kernel if it was built and fits this model, else None (the plain PyTorch path runs)."""
-    if os.environ.get("KVSEAL_KERNELS", "on") == "off":
+    if not kernels_enabled():
         return None
-    path = library_path()
-    if path is None:
-        return None
-    k = DecodeKernel(path)
+    k = DecodeKernel(library_path())
     return k if k.supports(heads, kv_heads, head_dim, dtype) else None
+
+
+def load_fused_ops(head_dim: int, dtype: torch.dtype) -> FusedOps | None:
+    """The fused per-layer ops if they were built, else None (the plain PyTorch ops run)."""
+    if not kernels_enabled() or dtype not in (torch.bfloat16, torch.float32) or head_dim > 512:
+        return None
+    return FusedOps(library_path(), dtype)

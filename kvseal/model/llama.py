@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kvseal.config import ModelConfig
 from kvseal.model.attention import DecodeRows, PagedAttention, Span, scatter_kv, write_rows
-from kvseal.model.kernels import load_decode_kernel
+from kvseal.model.kernels import load_decode_kernel, load_fused_ops
 from kvseal.model.quant import Linear
 
 
@@ -99,6 +99,8 @@ class LlamaModel:
         self.last_times = (0.0, 0.0)
         # the in-place paged decode kernel when it was built (None: the plain PyTorch reference)
         self.decode_kernel = load_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
+        # the fused norm / rope+store / silu ops when they were built (None: the plain PyTorch ops)
+        self.fused = load_fused_ops(cfg.head_dim, dtype)
 
     def use_weights(self, mode: str, small_rows: int = 8) -> None:
         """Pick the linear layers' kernels (``kvseal.model.quant``): bf16, or int8/int4 for steps of at most
@@ -115,14 +117,26 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, kv: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         """Returns fp32 logits [B, vocab] for ``b.logits_index``; writes this step's K/V into ``kv``."""
+        x = F.embedding(b.input_ids, self.w.embed)  # [N, hidden]
+        attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel)
+        layers = self._layers if self.fused is None else self._layers_fused
+        x, t_lin, t_att = layers(kv, b, x, attend)
+        last = x.index_select(0, b.logits_index)
+        t0 = time.perf_counter()
+        logits = self.head(rms_norm(last, self.w.norm, self.cfg.rms_eps)).float()
+        self.last_times = (t_lin + time.perf_counter() - t0, t_att)  # seconds in weight matmuls and in attention
+        return logits
+
+    def _layers(self, kv: torch.Tensor, b: ForwardBatch, x: torch.Tensor,
+                attend: PagedAttention) -> tuple[torch.Tensor, float, float]:
+        """The decoder layers in plain PyTorch ops (the reference for the fused path). Returns the residual
+        stream, seconds in weight matmuls and in attention."""
         cfg = self.cfg
         n = b.input_ids.shape[0]
         heads, kvh, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.embedding(b.input_ids, self.w.embed)  # [N, hidden]
         cos = self.cos[b.positions].unsqueeze(1)  # [N, 1, D]
         sin = self.sin[b.positions].unsqueeze(1)
         writes = write_rows(kv, b.write_slots)
-        attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel)
         clock, t_lin, t_att = time.perf_counter, 0.0, 0.0
         for i, (layer, lin) in enumerate(zip(self.w.layers, self.lin)):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
@@ -149,8 +163,38 @@ class LlamaModel:
             x = x + lin.down(act)
             t_att += t1 - t0
             t_lin += (t2 - t1) + (t4 - t3) + (clock() - t5)
-        last = x.index_select(0, b.logits_index)
-        t0 = clock()
-        logits = self.head(rms_norm(last, self.w.norm, cfg.rms_eps)).float()
-        self.last_times = (t_lin + clock() - t0, t_att)  # seconds in weight matmuls and in attention
-        return logits
+        return x, t_lin, t_att
+
+    def _layers_fused(self, kv: torch.Tensor, b: ForwardBatch, x: torch.Tensor,
+                      attend: PagedAttention) -> tuple[torch.Tensor, float, float]:
+        """The decoder layers with the fused ops (``kvseal.model.kernels.FusedOps``): a residual add rides
+        along with the next norm, RoPE writes keys and values straight to the pool. Returns the residual
+        stream, seconds in weight matmuls and in attention."""
+        cfg, f = self.cfg, self.fused
+        n = b.input_ids.shape[0]
+        heads, kvh, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qs, ks = self.q_size, self.q_size + self.kv_size
+        clock, t_lin, t_att = time.perf_counter, 0.0, 0.0
+        delta = None  # the last layer's output, not yet added to x
+        for i, (layer, lin) in enumerate(zip(self.w.layers, self.lin)):
+            h = f.add_rms_norm(x, delta, layer.attn_norm, cfg.rms_eps)
+            t0 = clock()
+            qkv = lin.qkv(h)
+            t1 = clock()
+            f.rope_store(qkv, heads, kvh, self.cos, self.sin, b.positions, kv, b.write_slots, i)
+            t2 = clock()
+            a = attend(i, qkv[:, :qs].view(n, heads, dim), qkv[:, qs:ks].view(n, kvh, dim),
+                       qkv[:, ks:].view(n, kvh, dim))
+            t3 = clock()
+            o = lin.o(a)
+            t4 = clock()
+            h = f.add_rms_norm(x, o, layer.mlp_norm, cfg.rms_eps)
+            t5 = clock()
+            gate_up = lin.gate_up(h)
+            t6 = clock()
+            act = f.silu_mul(gate_up)
+            t7 = clock()
+            delta = lin.down(act)
+            t_lin += (t1 - t0) + (t4 - t3) + (t6 - t5) + (clock() - t7)
+            t_att += t3 - t2
+        return x + delta, t_lin, t_att

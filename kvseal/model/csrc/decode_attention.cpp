@@ -6,33 +6,10 @@
 // PyTorch reference is kvseal.model.attention.decode_attention; tests/test_kernels.py holds the two equal.
 //
 // A C ABI, loaded with ctypes: no Python or PyTorch headers, so it builds in a second with any g++.
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 namespace {
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void from_f32(float x, float* out) { *out = x; }
-inline void from_f32(float x, uint16_t* out) {  // round to nearest even, as torch does (NaN kept NaN)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *out = static_cast<uint16_t>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *out = static_cast<uint16_t>(u >> 16);
-}
+using namespace kvseal;
 
 inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void widen(const uint16_t* src, float* dst, int64_t n) {
@@ -40,40 +17,6 @@ inline void widen(const uint16_t* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
 }
-
-// x[i] = exp(x[i] - shift) for i < n. The softmax's exponentials were most of the kernel's time as scalar
-// std::exp calls; with AVX-512 this is Cephes' expf (Cody-Waite reduction by ln 2, degree-5 polynomial, about
-// 1 ulp) on 16 lanes, scaled by 2^k with vscalefps. Elsewhere, the scalar std::exp.
-#if defined(__AVX512F__)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  // exp underflows to 0 below here anyway
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, k);
-}
-
-inline void exp_shifted(float* x, int64_t n, float shift) {
-  const __m512 sh = _mm512_set1_ps(shift);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(live, x + i);
-    _mm512_mask_storeu_ps(x + i, live, exp16(_mm512_sub_ps(v, sh)));
-  }
-}
-#else
-inline void exp_shifted(float* x, int64_t n, float shift) {
-  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - shift);
-}
-#endif
 
 constexpr int kMaxGroup = 16;
 constexpr int kMaxDim = 256;
