@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvseal-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile kvseal/model/csrc/decode_attention.cpp kvseal/model/csrc/fused.cpp kvseal/model/csrc/common.h
+$(STAMP): pyproject.toml setup.py Makefile kvseal/model/csrc/decode_attention.cpp kvseal/model/csrc/fused.cpp kvseal/model/csrc/prefill_attention.cpp kvseal/model/csrc/common.h
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

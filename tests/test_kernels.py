@@ -2,6 +2,8 @@
 fragmented pages, GQA, partial last pages, bf16 and fp32; the fused norm, RoPE + K/V store and SiLU * up; and
 the real model's fused forward gives the reference's tokens."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -107,21 +109,70 @@ def test_fused_silu_mul_matches_reference(dtype, rows):
     _assert_rounding_apart(FusedOps(library_path(), dtype).silu_mul(gate_up), ref)
 
 
-def test_the_fused_forward_gives_the_reference_tokens(bf16_model):
-    """The real model, bf16, one batch of prompts: the fused layers and the plain ones pick the same greedy
-    tokens with logits within bf16 noise."""
+def test_the_native_forward_gives_the_reference_tokens(bf16_model):
+    """The real model, bf16: the kernels (prefill and decode attention, fused ops) and the plain PyTorch ops
+    pick the same greedy tokens for prompts with clear margins, and a long prompt prefilled in two chunks
+    gives logits within bf16 noise of the reference (a few bf16 steps at logits of ~30: the order of sums
+    differs, as between any two implementations)."""
     from engine_util import chat_ids, generate, make_engine
+
+    from kvseal.model.attention import Span
+    from kvseal.model.llama import ForwardBatch
     model = bf16_model.model
-    fused = model.fused
-    assert fused is not None
+    native = (model.fused, model.decode_kernel)
+    assert None not in native
     prompts = [chat_ids(bf16_model, p) for p in ("Name three primary colors.", "Count from one to five.")]
-    runs = []
+    passage = Path("tests/data/passage.txt").read_text()[:1500]
+    ids = torch.tensor(chat_ids(bf16_model, f"Summarize in one sentence: {passage}"))
+    n, page = len(ids), 16
+    pages = torch.arange(-(-n // page))
+
+    def prefill_logits() -> torch.Tensor:
+        cfg = model.cfg
+        kv = torch.zeros(len(pages), cfg.num_layers, 2, cfg.num_kv_heads, page, cfg.head_dim, dtype=torch.bfloat16)
+        for p0, p1 in ((0, 256), (256, n)):
+            pos = torch.arange(p0, p1)
+            logits = model.forward(kv, ForwardBatch(ids[p0:p1], pos, pages[pos // page] * page + pos % page,
+                                                    torch.tensor([p1 - p0 - 1]), None,
+                                                    [Span(0, p1 - p0, p0, pages[: -(-p1 // page)])]))
+        return logits[0]
+
+    runs, logits = [], []
     try:
-        for ops in (fused, None):
-            model.fused = ops
+        for model.fused, model.decode_kernel in (native, (None, None)):
             engine = make_engine(bf16_model, dtype="bf16")
             runs.append(generate(engine, prompts, 12))
             engine.stop()
+            logits.append(prefill_logits())
     finally:
-        model.fused = fused
+        model.fused, model.decode_kernel = native
     assert runs[0] == runs[1]
+    got, ref = logits
+    assert (got - ref).abs().max() <= 1.0
+    top = ref.topk(2).values
+    assert top[0] - top[1] < 1.0 or got.argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 32), (12, 2, 128), (16, 2, 64)])
+@pytest.mark.parametrize("pos0,n", [(0, 1), (0, 37), (3, 16), (40, 5), (100, 70)])
+def test_prefill_kernel_matches_reference(kernel, heads, kv_heads, dim, pos0, n):
+    """A causal chunk read in place equals SDPA over the gathered pages (fp32), whatever the chunk's start,
+    length and page fragmentation."""
+    from kvseal.model.attention import Span, _chunk_mask
+    gen = torch.Generator().manual_seed(pos0 * 7 + n + dim)
+    layers, page, n_pages = 2, 16, 64
+    kv = torch.randn(n_pages, layers, 2, kv_heads, page, dim, generator=gen).to(torch.bfloat16)
+    width = -(-(pos0 + n) // page)
+    pages = torch.randperm(n_pages, generator=gen)[:width].contiguous()
+    q = torch.randn(n, heads + kv_heads, dim, generator=gen).to(torch.bfloat16)[:, :heads]
+    if not kernel.prefill_fits(q, kv):
+        pytest.skip("this CPU has no AVX-512 BF16: the plain path runs (tested by the model tests)")
+    span = Span(0, n, pos0, pages)
+    for layer in range(layers):
+        rows = gather_rows(kv, pages[None])
+        ks, vs = gather_kv(kv, rows, layer, 0).float(), gather_kv(kv, rows, layer, 1).float()
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None], ks, vs, attn_mask=_chunk_mask(span, page), enable_gqa=True)
+        ref = ref[0].transpose(0, 1).reshape(n, -1)
+        got = kernel.prefill(q, kv, layer, pages, pos0)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)

@@ -6,9 +6,10 @@ consecutive rows of one request. Linear layers run on all ``N`` rows at once; on
 
 - decode rows: one query per request against its pages, through ``decode_attention`` (plain PyTorch: gather
   the pages, grouped-query product) or the in-place kernel of ``kvseal.model.kernels`` when it is built;
-- a chunk whose request has no earlier context: causal SDPA over its own fresh keys and values (nothing in
-  the pool is read);
-- a later chunk: SDPA over its pages gathered from the pool, masked so token ``t`` sees positions ``<= pos0+t``.
+- a prefill chunk, with the kernel (bf16, 16-slot pages, AVX-512 BF16): causal attention over its pages read
+  in place (its own keys are already stored); in plain PyTorch: a chunk whose request has no earlier context
+  is causal SDPA over its own fresh keys and values (nothing in the pool is read), a later chunk is SDPA over
+  its pages gathered from the pool, masked so token ``t`` sees positions ``<= pos0+t``.
 
 The pool is page-major, ``kv[page, layer, 0|1, kv_head, offset, head_dim]`` (``kvseal.kv.pool``): one
 layer's keys for one head of one page are a contiguous ``[page_size, head_dim]`` row, so a gather is one
@@ -108,6 +109,9 @@ class PagedAttention:
         if self.decode is not None:
             outs.append(self._decode(layer, q[: self.decode.n]))
         for s, rows, mask in zip(self.spans, self.s_rows, self.s_mask):
+            if self.kernel is not None and self.kernel.prefill_fits(q, self.kv):
+                outs.append(self.kernel.prefill(q[s.start: s.start + s.n], self.kv, layer, s.pages, s.pos0))
+                continue
             qs = q[s.start: s.start + s.n].transpose(0, 1)[None]  # [1, H, T, D]
             if rows is None:  # first chunk: its keys are exactly this step's
                 ks, vs = k[s.start: s.start + s.n].transpose(0, 1)[None], v[s.start: s.start + s.n].transpose(0, 1)[None]

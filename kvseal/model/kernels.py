@@ -28,7 +28,8 @@ def library_path() -> str | None:
 
 
 class DecodeKernel:
-    """``(q [n, H, D] rows of any stride, kv pool, layer, pages [n, P] int64, lens [n] int64) → [n, H*D]``."""
+    """Paged attention reading the pool in place. Calling it is decode: ``(q [n, H, D] rows of any stride, kv
+    pool, layer, pages [n, P] int64, lens [n] int64) → [n, H*D]``; ``prefill`` is one causal chunk."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
@@ -38,6 +39,28 @@ class DecodeKernel:
         group, dim, page = _I64(), _I64(), _I64()
         lib.kvseal_decode_limits(ctypes.byref(group), ctypes.byref(dim), ctypes.byref(page))
         self.limits = (group.value, dim.value, page.value)
+        self._prefill = lib.kvseal_prefill_attention_bf16
+        self._prefill.argtypes, self._prefill.restype = [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float], ctypes.c_int
+        self._prefill_supported = lib.kvseal_prefill_supported
+        self._prefill_supported.argtypes, self._prefill_supported.restype = [_I64] * 4, ctypes.c_int
+
+    def prefill_fits(self, q: torch.Tensor, kv: torch.Tensor) -> bool:
+        """Whether ``prefill`` takes this shape (bf16, 16-slot pages, AVX-512 BF16 on this CPU, ...)."""
+        _, heads, dim = q.shape
+        return q.dtype == kv.dtype == torch.bfloat16 and bool(self._prefill_supported(heads, kv.shape[3], dim, kv.shape[4]))
+
+    def prefill(self, q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, pos0: int) -> torch.Tensor:
+        """Causal attention of one chunk: ``q [n, H, D]`` (rows of any stride) at positions ``pos0 ..
+        pos0 + n - 1`` over the request's ``pages`` (its own keys already stored) → ``[n, H*D]``."""
+        n, heads, dim = q.shape
+        assert q.stride(2) == 1 and q.stride(1) == dim and kv.is_contiguous()
+        assert pages.dtype == torch.int64 and pages.is_contiguous() and pages.shape[0] * kv.shape[4] >= pos0 + n
+        out = torch.empty((n, heads * dim), dtype=q.dtype)
+        _, layers, _, kv_heads, page_size, _ = kv.shape
+        ok = self._prefill(q.data_ptr(), q.stride(0), kv.data_ptr(), out.data_ptr(), pages.data_ptr(), n, pos0,
+                           heads, kv_heads, dim, page_size, layers, layer, dim**-0.5)
+        assert ok, "prefill kernel called for a shape it does not take (check prefill_fits)"
+        return out
 
     def supports(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         group, dim, _ = self.limits

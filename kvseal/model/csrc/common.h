@@ -48,6 +48,12 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
+// 16 bf16 values widened to fp32 (exact)
+inline __m512 widen16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 inline void exp_shifted(float* x, int64_t n, float shift) {
   const __m512 sh = _mm512_set1_ps(shift);
   for (int64_t i = 0; i < n; i += 16) {

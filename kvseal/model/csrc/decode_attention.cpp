@@ -31,11 +31,6 @@ constexpr int kMaxPage = 128;
 using FastTask = void (*)(const uint16_t* q, const uint16_t* kv, const int64_t* pages, int64_t len,
                           int64_t page_stride, int64_t head_off, int64_t v_off, float scale, uint16_t* out);
 
-inline __m512 widen16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 constexpr int AHEAD = 2;  // pages prefetched ahead
 
 template <int G, int C>  // G queries per kv head, C = head_dim / 32
