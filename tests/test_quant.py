@@ -50,3 +50,18 @@ def test_the_model_serves_in_every_weight_mode(bf16_model, mode):
     finally:
         bf16_model.model.use_weights("bf16")
     assert "Berlin" in bf16_model.tokenizer.decode(out)
+
+
+def test_prepacked_bf16_equals_f_linear_and_ignores_batch_size():
+    """The prepacked oneDNN path computes what F.linear computes, and a row's result does not depend on how
+    many rows share the GEMM (the batch invariance the isolation probe relies on)."""
+    gen = torch.Generator().manual_seed(3)
+    w = (0.05 * torch.randn(3072, 576, generator=gen)).to(torch.bfloat16)
+    lin = Linear(w)
+    if lin.packed is None:
+        pytest.skip("this PyTorch has no oneDNN: F.linear runs")
+    x = torch.randn(512, 576, generator=gen).to(torch.bfloat16)
+    full = lin(x)
+    assert torch.equal(full, F.linear(x, w))
+    for rows in (1, 3, 8, 9, 32, 100):
+        assert torch.equal(lin(x[:rows].contiguous()), full[:rows])
