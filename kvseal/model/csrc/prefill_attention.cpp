@@ -55,49 +55,71 @@ void prefill_task(const uint16_t* q, int64_t q_row_stride, const uint16_t* kv, c
       l[g][i] = 0.f;
       for (int d = 0; d < D; ++d) acc[g][i][d] = 0.f;
     }
-  alignas(64) __m512i kt[16 * C];
-  alignas(64) float vf[P][D];
-  alignas(64) float pw[P];
-  const int64_t last_pos = first_pos + rows - 1;
-  for (int64_t p = 0; p * P <= last_pos; ++p) {
-    const uint16_t* kp = kv + pages[p] * page_stride + head_off;
-    const uint16_t* vp = kp + v_off;
-    if ((p + 1) * P <= last_pos) {
-      const char* nk = reinterpret_cast<const char*>(kv + pages[p + 1] * page_stride + head_off);
+  // two pages (32 keys) per softmax update: half the reductions, rescales and scalar work per key
+  constexpr int SP = 2;
+  alignas(64) __m512i kt[SP][16 * C];
+  alignas(64) float vf[SP * P][D];
+  alignas(64) float pw[SP * P];
+  const int64_t last_pos = first_pos + rows - 1, n_pages = last_pos / P + 1;
+  for (int64_t p = 0; p < n_pages; p += SP) {
+    const int np = n_pages - p < SP ? static_cast<int>(n_pages - p) : SP;
+    for (int64_t nxt = p + SP; nxt < p + 2 * SP && nxt < n_pages; ++nxt) {
+      const char* nk = reinterpret_cast<const char*>(kv + pages[nxt] * page_stride + head_off);
       for (int i = 0; i < P * D * 2; i += 64) {
         _mm_prefetch(nk + i, _MM_HINT_T0);
         _mm_prefetch(nk + v_off * 2 + i, _MM_HINT_T0);
       }
     }
-    // slots past the chunk's last position hold whatever the page holds: masked, and their values never read
-    const int64_t valid = last_pos - p * P + 1 < P ? last_pos - p * P + 1 : P;
-    for (int c = 0; c < C; ++c) {
-      __m512i r[16];
-      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(kp + t * D + 32 * c);
-      transpose16(r, kt + 16 * c);
+    for (int e = 0; e < np; ++e) {
+      const uint16_t* kp = kv + pages[p + e] * page_stride + head_off;
+      const uint16_t* vp = kp + v_off;
+      for (int c = 0; c < C; ++c) {
+        __m512i r[16];
+        for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(kp + t * D + 32 * c);
+        transpose16(r, kt[e] + 16 * c);
+      }
+      // slots past the chunk's last position hold whatever the page holds: masked, their values never read
+      const int64_t valid = last_pos - (p + e) * P + 1 < P ? last_pos - (p + e) * P + 1 : P;
+      for (int t = 0; t < valid; ++t)
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(&vf[e * P + t][16 * v], widen16(vp + t * D + 16 * v));
     }
-    for (int t = 0; t < valid; ++t)
-      for (int v = 0; v < NV; ++v) _mm512_store_ps(&vf[t][16 * v], widen16(vp + t * D + 16 * v));
-    const int64_t i0 = p * P - first_pos > 0 ? p * P - first_pos : 0;  // rows before i0 see none of this page
+    const int64_t i0 = p * P - first_pos > 0 ? p * P - first_pos : 0;  // rows before i0 see none of these
     for (int64_t i = i0; i < rows; ++i) {
-      const int64_t seen = first_pos + i - p * P + 1;  // keys of this page that row i sees
-      const int n = seen < P ? static_cast<int>(seen) : P;
-      const __mmask16 live = n == P ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+      const int64_t seen_all = first_pos + i - p * P + 1;  // keys of these pages that row i sees
+      const int n = seen_all < np * P ? static_cast<int>(seen_all) : np * P;
+      const int n0 = n < P ? n : P, n1 = n - n0;
+      const __mmask16 live0 = n0 == P ? 0xffff : static_cast<__mmask16>((1u << n0) - 1);
+      const __mmask16 live1 = n1 == P ? 0xffff : static_cast<__mmask16>((1u << n1) - 1);
       for (int g = 0; g < G; ++g) {
         const uint32_t* qd = reinterpret_cast<const uint32_t*>(q + i * q_row_stride + g * D);
-        __m512 s4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int j = 0; j < 16 * C; j += 4)  // four independent chains: vdpbf16ps latency, not throughput
-          for (int k = 0; k < 4; ++k)
-            s4[k] = _mm512_dpbf16_ps(s4[k], (__m512bh)kt[j + k], (__m512bh)_mm512_set1_epi32(static_cast<int>(qd[j + k])));
-        __m512 s = _mm512_add_ps(_mm512_add_ps(s4[0], s4[1]), _mm512_add_ps(s4[2], s4[3]));
-        s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
-        const float page_max = _mm512_reduce_max_ps(s);
-        const float mx = page_max > m[g][i] ? page_max : m[g][i];
-        const __m512 pr = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+        __m512 s0 = _mm512_set1_ps(-INFINITY), s1 = _mm512_set1_ps(-INFINITY);
+        {
+          // independent chains: vdpbf16ps latency, not throughput, would bound a single one
+          __m512 a4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          __m512 b4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int j = 0; j < 16 * C; j += 4)
+            for (int k = 0; k < 4; ++k) {
+              const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qd[j + k]));
+              a4[k] = _mm512_dpbf16_ps(a4[k], (__m512bh)kt[0][j + k], qv);
+              if (n1 > 0) b4[k] = _mm512_dpbf16_ps(b4[k], (__m512bh)kt[1][j + k], qv);
+            }
+          const __m512 sc = _mm512_set1_ps(scale);
+          s0 = _mm512_mask_mov_ps(s0, live0, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a4[0], a4[1]),
+                                                                          _mm512_add_ps(a4[2], a4[3])), sc));
+          if (n1 > 0)
+            s1 = _mm512_mask_mov_ps(s1, live1, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(b4[0], b4[1]),
+                                                                            _mm512_add_ps(b4[2], b4[3])), sc));
+        }
+        const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        const float mx = step_max > m[g][i] ? step_max : m[g][i];
+        const __m512 mv = _mm512_set1_ps(mx);
+        const __m512 p0 = _mm512_maskz_mov_ps(live0, exp16(_mm512_sub_ps(s0, mv)));
+        const __m512 p1 = _mm512_maskz_mov_ps(live1, exp16(_mm512_sub_ps(s1, mv)));
         const float corr = std::exp(m[g][i] - mx);
         m[g][i] = mx;
-        l[g][i] = l[g][i] * corr + _mm512_reduce_add_ps(pr);
-        _mm512_store_ps(pw, pr);
+        l[g][i] = l[g][i] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        _mm512_store_ps(pw, p0);
+        _mm512_store_ps(pw + P, p1);
         __m512 a[NV], b[NV];  // even and odd keys: two chains per vector
         const __m512 cv = _mm512_set1_ps(corr);
         for (int v = 0; v < NV; ++v) {
