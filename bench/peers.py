@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -98,11 +99,21 @@ def write_hf_dir(path: Path) -> None:
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(path))
 
 
-def measure(url: str, cases: list[tuple[int, int, int]]) -> dict:
+def as_text() -> Callable[[list[int]], str]:
+    """Token ids to text of about as many tokens, for servers that take no token-id prompts (llama.cpp)."""
+    from kvseal.model.loader import default_model_path, load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    return lambda ids: tok.decode(ids)
+
+
+def measure(url: str, cases: list[tuple[int, int, int]], text: bool = False) -> dict:
     out = {}
+    # llama.cpp's server has no ignore_eos: end-of-text tokens are banned instead, so every answer is full length
+    kw = {"as_text": as_text(), "extra": {"logit_bias": {"0": -100, "1": -100, "2": -100}}} if text else {}
     for streams, prompt, output in cases:
         try:
-            r = asyncio.run(level(url, MODEL, streams, prompt, output, 1))
+            r = asyncio.run(level(url, MODEL, streams, prompt, output, 1, **kw))
         except RuntimeError as e:  # a failed request fails the case, recorded; the others still run
             out[f"{streams}x{prompt}->{output}"] = {"error": str(e)[:300]}
             continue
@@ -194,7 +205,7 @@ def main() -> None:
             cmd, env, port, cases = servers[name]
             p = Proc(cmd, env, port, out.parent / f"peers-{name}.log")
             try:
-                runs[name].append(measure(p.url, cases))
+                runs[name].append(measure(p.url, cases, text=name == "llamacpp"))
             finally:
                 p.stop()
             print(name, json.dumps({c: round(r.get("output_tok_s", -1), 1) for c, r in runs[name][-1].items()}),

@@ -16,6 +16,7 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
@@ -38,9 +39,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/out/serving")
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], n_out: int) -> dict:
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str, n_out: int,
+              extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": n_out, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, **(extra or {})}
     t0 = time.perf_counter()
     stamps = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -54,15 +56,18 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
     return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "n": n_out, "end": stamps[-1]}
 
 
-async def level(url: str, model: str, streams: int, n_prompt: int, n_out: int, per_stream: int) -> dict:
+async def level(url: str, model: str, streams: int, n_prompt: int, n_out: int, per_stream: int,
+                as_text: Callable[[list[int]], str] | None = None, extra: dict | None = None) -> dict:
+    """``as_text``: send prompts as text (for servers that take no token ids); ``extra``: more body fields."""
     rng = random.Random(streams)
     limits = httpx.Limits(max_connections=streams + 4)
+    text = as_text or (lambda ids: ids)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def worker() -> list[dict]:
-            return [await one(client, url, model, [rng.randrange(100, 40000) for _ in range(n_prompt)], n_out)
-                    for _ in range(per_stream)]
+            return [await one(client, url, model, text([rng.randrange(100, 40000) for _ in range(n_prompt)]), n_out,
+                              extra) for _ in range(per_stream)]
 
-        await one(client, url, model, [5] * 8, 2)  # warm-up
+        await one(client, url, model, text([5] * 8), 2, extra)  # warm-up
         t0 = time.perf_counter()
         res = [r for rs in await asyncio.gather(*[worker() for _ in range(streams)]) for r in rs]
         wall = time.perf_counter() - t0

@@ -172,7 +172,9 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, con
   const int64_t page_stride = layers * 2 * kv_heads * row;
   const int64_t layer_off = layer * 2 * kv_heads * row;
   const auto fast = fast_path(q, group, dim, page_size);
-#pragma omp parallel for schedule(dynamic, 1)
+  // a few short contexts (one stream) are microseconds of work: waking the thread team costs more
+  const bool wide = batch * kv_heads * max_pages >= 256;
+#pragma omp parallel for schedule(dynamic, 1) if (wide)
   for (int64_t task = 0; task < batch * kv_heads; ++task) {
     const int64_t b = task / kv_heads, h = task % kv_heads;
     if (fast != nullptr) {
