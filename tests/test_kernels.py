@@ -185,3 +185,30 @@ def test_prefill_kernel_matches_reference(kernel, heads, kv_heads, dim, pos0, n)
         ref = ref[0].transpose(0, 1).reshape(n, -1)
         got = kernel.prefill(q, kv, layer, pages, pos0)
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_is_as_accurate_as_fp32_attention_rounded_once(kernel):
+    """Against attention computed in fp32 from the same bf16 inputs, the kernel's error is that of rounding
+    the fp32 result to bf16 once, and no larger than bf16 SDPA's (which rounds its probabilities)."""
+    from kvseal.model.attention import Span, _chunk_mask
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, page, n = 9, 3, 64, 16, 465
+    pages = torch.arange(-(-n // page))
+    kv = (2 * torch.randn(len(pages), 1, 2, kv_heads, page, dim, generator=gen)).to(torch.bfloat16)
+    q = (2 * torch.randn(n, heads, dim, generator=gen)).to(torch.bfloat16)
+    if not kernel.prefill_fits(q, kv):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    rows = gather_rows(kv, pages[None])
+    ks, vs = gather_kv(kv, rows, 0, 0), gather_kv(kv, rows, 0, 1)
+    mask = _chunk_mask(Span(0, n, 0, pages), page)
+
+    def sdpa(qq, kk, vv):
+        o = torch.nn.functional.scaled_dot_product_attention(qq.transpose(0, 1)[None], kk, vv, attn_mask=mask,
+                                                             enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(n, -1).float()
+
+    exact = sdpa(q.float(), ks.float(), vs.float())
+    err_kernel = (kernel.prefill(q, kv, 0, pages, 0).float() - exact).abs().mean()
+    err_rounded = (exact.to(torch.bfloat16).float() - exact).abs().mean()
+    err_sdpa = (sdpa(q, ks, vs) - exact).abs().mean()
+    assert err_kernel <= 1.02 * err_rounded and err_kernel <= err_sdpa
