@@ -65,3 +65,29 @@ def test_prepacked_bf16_equals_f_linear_and_ignores_batch_size():
     assert torch.equal(full, F.linear(x, w))
     for rows in (1, 3, 8, 9, 32, 100):
         assert torch.equal(lin(x[:rows].contiguous()), full[:rows])
+
+
+_THREADS_SCRIPT = """
+import os, sys
+import torch
+sys.path.insert(0, "tests")
+from engine_util import generate
+from kvseal.engine.build import WorkerSpec, build_engine
+before = len(os.listdir("/proc/self/task"))
+engine, lm, _ = build_engine(WorkerSpec(weights="int4", kv_pool_tokens=4096, context=2048))
+generate(engine, [list(range(100, 140))], 4)
+print(len(os.listdir("/proc/self/task")) - before, torch.get_num_threads())
+engine.stop()
+"""
+
+
+def test_packing_weights_leaves_the_main_thread_without_an_openmp_team():
+    """Packing int4 weights runs off the main thread. An OpenMP team on the main thread beside the engine's makes
+    libgomp throttle the engine's spin-wait (measured: batch-1 steps 2x slower); a team shows up as one more OS
+    thread. A fresh process: the engine thread and its team's workers are all that may appear."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True, text=True, timeout=300,
+                         check=True).stdout.split()
+    added, omp = int(out[-2]), int(out[-1])
+    assert added == 1 + (omp - 1), f"{added} threads appeared; expected the engine thread and {omp - 1} OpenMP workers"
