@@ -100,18 +100,25 @@ class PagedAttention:
             n_ctx = decode.pages.shape[1] * kv.shape[4]
             self.d_rows = gather_rows(kv, decode.pages)
             self.d_mask = torch.arange(n_ctx)[None, :] < decode.lens[:, None]
-        self.s_rows = [gather_rows(kv, s.pages[None]) if s.pos0 else None for s in spans]
-        self.s_mask = [_chunk_mask(s, kv.shape[4]) if s.pos0 else None for s in spans]
+        self.in_place: bool | None = None  # prefill chunks through the kernel; decided at the first layer
+        self.s_rows: list = []
+        self.s_mask: list = []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, H, D], this step's k/v [N, KVH, D] (already in the pool) → [N, H*D]."""
         outs = []
         if self.decode is not None:
             outs.append(self._decode(layer, q[: self.decode.n]))
-        for s, rows, mask in zip(self.spans, self.s_rows, self.s_mask):
-            if self.kernel is not None and self.kernel.prefill_fits(q, self.kv):
+        if self.spans and self.in_place is None:
+            self.in_place = self.kernel is not None and self.kernel.prefill_fits(q, self.kv)
+            if not self.in_place:  # the gather rows and masks the plain path reuses in every layer
+                self.s_rows = [gather_rows(self.kv, s.pages[None]) if s.pos0 else None for s in self.spans]
+                self.s_mask = [_chunk_mask(s, self.kv.shape[4]) if s.pos0 else None for s in self.spans]
+        if self.in_place:
+            for s in self.spans:
                 outs.append(self.kernel.prefill(q[s.start: s.start + s.n], self.kv, layer, s.pages, s.pos0))
-                continue
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        for s, rows, mask in zip(self.spans, self.s_rows, self.s_mask):
             qs = q[s.start: s.start + s.n].transpose(0, 1)[None]  # [1, H, T, D]
             if rows is None:  # first chunk: its keys are exactly this step's
                 ks, vs = k[s.start: s.start + s.n].transpose(0, 1)[None], v[s.start: s.start + s.n].transpose(0, 1)[None]

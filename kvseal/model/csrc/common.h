@@ -49,10 +49,8 @@ inline __m512 exp16(__m512 x) {
 }
 
 // 16 bf16 values widened to fp32 (exact)
-inline __m512 widen16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+inline __m512 widen16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+inline __m512 widen16(const uint16_t* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 inline void exp_shifted(float* x, int64_t n, float shift) {
   const __m512 sh = _mm512_set1_ps(shift);

@@ -73,13 +73,10 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
 #if defined(__AVX512BF16__)
     if constexpr (sizeof(T) == 2) {
       for (; d + 16 <= inter; d += 16) {
-        const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + d))), 16));
-        const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + d))), 16));
+        const __m512 gv = widen16(reinterpret_cast<const uint16_t*>(g + d));
+        const __m512 uv = widen16(reinterpret_cast<const uint16_t*>(u + d));
         const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        const __m256i sb = (__m256i)_mm512_cvtneps_pbh(sv);
-        const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+        const __m512 sr = widen16((__m256i)_mm512_cvtneps_pbh(sv));  // rounded to bf16, as F.silu's output is
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, uv)));
       }
     } else {
