@@ -4,12 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvseal-installed
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench sim models clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile kvseal/model/csrc/decode_attention.cpp kvseal/model/csrc/fused.cpp kvseal/model/csrc/prefill_attention.cpp kvseal/model/csrc/common.h
-	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2; }
+	@dpkg -s libibverbs1 spin >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2 spin; }
+	@command -v java >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends default-jre-headless; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -26,6 +27,15 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/run_all.py
+
+# The deterministic protocol simulator, long: make sim SEEDS=100000
+SEEDS ?= 20000
+sim: setup
+	$(BIN)/python -m kvseal.sim --seeds $(SEEDS)
+
+# The formal models (TLC and SPIN), the safe protocol and every known-bad variant
+models: setup
+	$(BIN)/python formal/check.py
 
 clean:
 	rm -rf $(VENV)

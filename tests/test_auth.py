@@ -147,7 +147,7 @@ async def status_of(coro) -> int:
 async def capability_scenario(check: bool) -> dict:
     dec, _ = services()
     if not check:  # the check switched off: what a signed writer could then do
-        dec.check_cap = lambda *a, **k: None
+        dec.core.check_cap = lambda *a, **k: None
     try:
         a, b = await dec.reserve(reserve(1)), await dec.reserve(reserve(2, prompt=16))
         forged = P.Capability(**{**json.loads(P.encode(a.cap)), "pages": a.pages + b.pages})

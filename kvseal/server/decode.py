@@ -1,21 +1,10 @@
-"""The decode worker's side of the protocol: reserve → (pages land) → verify commit → decode → stream.
+"""The decode worker's HTTP adapter: reserve → (pages land) → commit → decode → stream.
 
-A lease reserves the prompt's pages (waiting, boundedly, while the pool has none to spare); the engine
-grows them as the request decodes. Leases live here, keyed by request id. A commit is accepted only if: the
-lease exists with that nonce (not revoked), it covers exactly the reserved prompt (coverage: token count and
-page list), the pages are still RESERVED for this request with the leased generations (tags), and the
-xxh3-128 checksum over the bytes now in this pool and the metadata matches (checksum). Only then do the pages
-become OWNED and the request join the decode batch. Anything else quarantines the pages and fails the request.
-
-An aborted lease keeps its pages QUARANTINED until the writer says it stopped (``WriterDone``) or is fenced.
-A lease never committed within ``lease_ttl`` (its router died after reserving) is aborted the same way, and
-its prefill is asked to forget it: once prefill confirms it is not writing, the pages are freed.
-
-Every lease carries a capability (``P.Capability``) that decode MACs with a key that never leaves it; a
-commit or WriterDone must present it. It is checked without state: a capability for another lease, pages
-outside it, or a writer fenced since (its epoch moved on) are refused (403, 403, 410) before anything else.
-State is bounded: an unknown lease id creates nothing, open leases per writer and per router are capped, and
-so are token streams; a stream belongs to the router that opened it.
+The lease rules (coverage, tags, checksum, capabilities and epochs, quarantine until the writer is known done,
+expiry, fencing, a router gone) live in ``kvseal.protocol.decode.DecodeCore``; this module parses messages,
+feeds the core and carries out what it says: pool changes on the engine thread, replies, stream events and
+Forget requests on the event loop. What is only this service's: waiting boundedly for pages (a pool that has
+none to spare *now*), the per-router token streams and their bounds.
 
 Tokens go back multiplexed: each router holds one stream (``/streams/{subscriber}``) and gets one line per
 engine step with every event of its requests, so the per-token cost of the extra hop is paid once per step.
@@ -24,12 +13,11 @@ engine step with every event of its requests, so the per-token cost of the extra
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import msgspec
@@ -39,9 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvseal.engine.engine import Engine
 from kvseal.engine.errors import (
     BadRequest,
-    ContextLengthError,
     EngineError,
-    KVIntegrityError,
     Overloaded,
     TooManyRequests,
 )
@@ -49,17 +35,14 @@ from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.faults import Faults
 from kvseal.kv.pool import PageRun, PageState
+from kvseal.protocol import decode as core
+from kvseal.protocol.decode import DecodeCore, LeaseRevoked, WriterFenced  # noqa: F401 - re-exported
 from kvseal.server.backend import StepBatcher, pool_health
 from kvseal.server.guard import INSECURE, peer_of
 from kvseal.transfer import protocol as P
 from kvseal.transfer.auth import Forbidden, Peer
 
 STREAMS_PER_ROUTER = 8  # a router holds one; a few more ride out restarts
-
-
-def _cap_bytes(c: P.Capability) -> bytes:
-    return msgspec.msgpack.encode([c.rid, c.nonce, c.decode_id, c.writer, c.epoch, c.pages, c.generations,
-                                   c.expires])
 
 
 class Outbox:
@@ -110,30 +93,13 @@ def _token_event(ev: Event) -> P.TokenEvent:
 
 
 @dataclass(eq=False)
-class LeaseState:
+class Held:
+    """What the adapter keeps for a lease the core tracks: the message, the pages, where its events go."""
+
     reserve: P.Reserve
     run: PageRun
-    nonce: int
     queue: Outbox
     sink: object
-    committed: bool = False
-    aborted: bool = False
-    checksum: str = ""
-    router: str = ""  # the node that reserved it
-    born: float = field(default_factory=time.monotonic)
-
-
-class WriterFenced(EngineError):
-    """A capability from before its writer was fenced: that writer is dead to this decode."""
-
-    status = 410
-    code = "writer_fenced"
-
-
-class LeaseRevoked(Overloaded):
-    """A commit for a lease that was aborted or fenced: refused, nothing read. A fault, not corruption."""
-
-    code = "lease_revoked"
 
 
 def ack_error(e: EngineError) -> Response:
@@ -141,7 +107,14 @@ def ack_error(e: EngineError) -> Response:
                     status_code=e.status, media_type="application/json")
 
 
+ENGINE_SIDE = (core.Conceal, core.Quarantine, core.Free, core.Release, core.Start, core.Stop)
+
+
 class DecodeService:
+    """The HTTP adapter around ``kvseal.protocol.decode.DecodeCore``: it parses messages, feeds the core (under
+    one lock, from the event loop or the engine thread) and carries out its actions, pool changes on the engine
+    thread. Every protocol rule is in the core."""
+
     def __init__(self, engine: Engine, eos_ids: tuple[int, ...], target: str, decode_id: str,
                  faults: Faults | None = None, lease_ttl: float = 0.0, reserve_wait: float = 20.0,
                  max_waiting: int = 256, http: dict | None = None, max_leases: int = 2048, max_streams: int = 64,
@@ -151,23 +124,35 @@ class DecodeService:
         self.eos = frozenset(eos_ids)
         self.target = target
         self.decode_id = decode_id
-        self.leases: dict[int, LeaseState] = {}
         self.faults = faults or Faults()
         self.prot = engine.cfg.protections
+        self.core = DecodeCore(secrets.token_bytes(32), decode_id, lease_ttl, max_leases,
+                               coverage=self.prot.coverage, deferred_release=self.prot.deferred_release)
+        self.lock = threading.Lock()  # the core is fed from the event loop and the engine thread, one at a time
+        self.held: dict[int, Held] = {}
         self.batcher = StepBatcher(engine)
         self.outboxes: dict[str, Outbox] = {}
         self.heartbeat = 1.0
-        self.lease_ttl = lease_ttl  # 0: leases never expire
         self.reserve_wait = reserve_wait
         self.max_waiting = max_waiting
         self.waiting_reserves = 0
         self._expiry: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
         self.client = httpx.AsyncClient(timeout=5.0, **(http or {}))
-        self.cap_key = secrets.token_bytes(32)  # MACs capabilities; never leaves this process
-        self.epochs: dict[str, int] = {}  # writer → epoch; fencing bumps it
-        self.max_leases = max_leases  # open leases per writer and per router
         self.max_streams = max_streams
         self.exposure = exposure  # Mooncake: only open leases' pages are registered (kvseal.transfer.mooncake)
+
+    @property
+    def leases(self) -> dict:
+        return self.core.leases
+
+    @property
+    def lease_ttl(self) -> float:
+        return self.core.lease_ttl
+
+    @lease_ttl.setter
+    def lease_ttl(self, ttl: float) -> None:
+        self.core.lease_ttl = ttl
 
     def outbox(self, subscriber: str, peer: Peer | None = INSECURE) -> Outbox:
         """The router's token stream: opened by the first reserve or stream request, then that router's only."""
@@ -178,97 +163,133 @@ class DecodeService:
                 raise TooManyRequests(f"decode serves at most {self.max_streams} router streams")
             if sum(b.owner == node for b in self.outboxes.values()) >= STREAMS_PER_ROUTER:
                 raise TooManyRequests(f"router {node} has {STREAMS_PER_ROUTER} streams open")
-            box = self.outboxes[subscriber] = Outbox(self._ended, self._router_gone)
+            box = self.outboxes[subscriber] = Outbox(lambda ev: None, self._router_gone)
             box.owner = node
         elif box.owner != node and peer is not INSECURE:
             raise Forbidden(f"stream {subscriber[:16]!r} belongs to another router")
         return box
 
-    # -- capabilities -----------------------------------------------------------------------------------
-    def _mac(self, c: P.Capability) -> str:
-        body = _cap_bytes(c)
-        return hmac.new(self.cap_key, body, hashlib.sha256).hexdigest()
+    # -- feeding the core, carrying out its actions ---------------------------------------------------------
+    def _feed(self, event: Callable[[], list]) -> list:
+        with self.lock:
+            return event()
 
-    def grant(self, rid: int, nonce: int, writer: str, run: PageRun) -> P.Capability:
-        c = P.Capability(rid=rid, nonce=nonce, decode_id=self.decode_id, writer=writer,
-                         epoch=self.epochs.get(writer, 0), pages=list(run.pages), generations=list(run.generations),
-                         expires=time.time() + self.lease_ttl if self.lease_ttl else 0.0)
-        c.mac = self._mac(c)
-        return c
+    async def _carry(self, acts: list) -> list:
+        """Carry out actions fed on the event loop: pool changes in one engine-thread call (in order with every
+        other), the rest here. Returns the replies."""
+        mine = [a for a in acts if isinstance(a, ENGINE_SIDE)]
+        if mine:
+            await asyncio.wrap_future(self.engine.call(lambda: self._on_engine(mine)))
+        return self._on_loop(acts)
 
+    def _on_engine(self, acts: list, commit: P.Commit | None = None) -> list:
+        """Engine thread: the actions that touch the pool or the batch."""
+        out: list = []
+        for a in acts:
+            h = self.held.get(getattr(a, "rid", None))
+            if isinstance(a, core.Conceal):
+                if self.exposure is not None:
+                    self.exposure.conceal(a.rid)  # a late write now fails at the transport instead of landing
+            elif isinstance(a, core.Quarantine) and h is not None:
+                self.engine.quarantined[a.rid] = self.pool.quarantine(h.run)
+            elif isinstance(a, core.Free) and h is not None:
+                self.pool.free(h.run)
+                self.held.pop(a.rid, None)
+            elif isinstance(a, core.Release):
+                self.engine.release_quarantine(a.rid)
+                self.held.pop(a.rid, None)
+            elif isinstance(a, core.Stop):
+                self.engine._abort(a.rid)
+                self.held.pop(a.rid, None)
+            elif isinstance(a, core.Verify) and h is not None and commit is not None:
+                out += self._verify(h, commit)
+            elif isinstance(a, core.Start) and h is not None:
+                self._start(h, a.first_token)
+            else:
+                out.append(a)
+        return out
+
+    def _on_loop(self, acts: list) -> list:
+        replies = []
+        for a in acts:
+            h = self.held.get(getattr(a, "rid", None))
+            if isinstance(a, core.End) and h is not None:
+                h.queue.put_nowait(Event(a.rid, (), a.reason, a.error))
+            elif isinstance(a, core.Expose) and self.exposure is not None:
+                self.exposure.expose(a.rid, list(a.pages))
+            elif isinstance(a, core.AskForget):
+                self._spawn(self._ask_forget(a))
+            elif isinstance(a, core.Reply):
+                replies.append(a.ack)
+        return replies
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def event(self, event: Callable[[], list]) -> list:
+        """Feed one event on the event loop and carry out what it says."""
+        return await self._carry(self._feed(event))
+
+    # -- capabilities (for tests and tools; the core checks them) ---------------------------------------------
     def check_cap(self, c: P.Capability | None, rid: int, nonce: int, pages: list[int] = ()) -> None:
-        """403 unless ``c`` is a capability this decode granted for this very lease and covers ``pages``; 410 if
-        its writer was fenced since. Stateless: a forged or foreign capability never reaches a lease."""
-        if c is None or not hmac.compare_digest(self._mac(c), c.mac):
-            raise Forbidden(f"request {rid}: no valid lease capability")
-        if c.rid != rid or c.nonce != nonce or c.decode_id != self.decode_id:
-            raise Forbidden(f"request {rid}: the capability is for another lease")
-        if not set(pages) <= set(c.pages):
-            raise Forbidden(f"request {rid}: pages outside the lease")
-        if c.epoch != self.epochs.get(c.writer, 0):
-            raise WriterFenced(f"request {rid}: writer {c.writer} was fenced")
-        if c.expires and time.time() > c.expires:
-            raise WriterFenced(f"request {rid}: the lease expired")
+        self.core.check_cap(c, rid, nonce, list(pages), time.monotonic())
 
     def _router_gone(self, box: Outbox) -> None:
         asyncio.ensure_future(self._orphaned(box, box.gone_at))
 
     async def _orphaned(self, box: Outbox, gone_at: float) -> None:
-        """A router's stream closed. If it has not come back within a grace period, the router is dead: stop
-        the leases it held then (committed ones stop and free at once; the others keep their pages QUARANTINED
-        until WriterDone or the TTL), and drop the events nobody will read."""
+        """A router's stream closed. If it has not come back within a grace period, the router is dead: the
+        core stops what it reserved before then; the events nobody will read are dropped."""
         await asyncio.sleep(self.heartbeat * 5)
         if box.gone_at != gone_at:  # it reconnected (and perhaps left again: that departure has its own check)
             return
         sub = next((k for k, v in self.outboxes.items() if v is box), None)
-        for rid, st in list(self.leases.items()):
-            if st.queue is box and st.born < gone_at:
-                await self.abort(P.Abort(rid=rid, nonce=st.nonce))
-        if box.gone_at == gone_at and sub is not None and not any(st.queue is box for st in self.leases.values()):
+        if sub is None:
+            return
+        await self.event(lambda: self.core.router_gone(sub, gone_at))
+        if box.gone_at == gone_at and not self._feed(lambda: self.core.holds(sub)):
             del self.outboxes[sub]
 
-    def _ended(self, ev: Event) -> None:
-        """A request's last event: a verified, running lease is done. An aborted one stays until WriterDone."""
-        st = self.leases.get(ev.rid)
-        if st is not None and st.committed:
-            self.leases.pop(ev.rid, None)
+    def _sink(self, box: Outbox) -> Callable[[Event], None]:
+        """Engine thread: a running request's events; its last one closes the lease."""
+        batched = self.batcher.sink_for(box)
+
+        def sink(ev: Event) -> None:
+            if ev.finish_reason is not None:
+                self._feed(lambda: self.core.finished(ev.rid))
+                self.held.pop(ev.rid, None)
+            batched(ev)
+        return sink
 
     # -- reserve ----------------------------------------------------------------------------------------
     async def reserve(self, r: P.Reserve, peer: Peer | None = INSECURE) -> P.Lease:
         self.faults.crash("crash_at_reserve")
-        self._bound_leases(r.prefill_id, peer.node if peer else "")
+        router = peer.node if peer else ""
+        cfg = self.engine.cfg
+        self._feed(lambda: self.core.check_reserve(r.rid, r.prefill_id, router, len(r.prompt), r.max_new,
+                                                   cfg.admit_limit, self.prot.admission,
+                                                   self.pool.cfg.capacity_tokens, cfg.context_window))
         if self.faults.fire("delay_reserve"):
             await asyncio.sleep(self.faults.delay)
-        n = len(r.prompt) + r.max_new
-        if self.prot.admission and n > self.engine.cfg.admit_limit:
-            raise ContextLengthError(len(r.prompt), r.max_new, self.engine.cfg.context_window,
-                                     self.pool.cfg.capacity_tokens)
+        box = self.outbox(r.subscriber, peer)
         run = await self._take_pages(r.rid, self.pool.cfg.pages_for(len(r.prompt)), self.engine.tenant_tag(r.tenant))
         if self.lease_ttl and self._expiry is None:
             self._expiry = asyncio.ensure_future(self._expire_loop())
+        self.held[r.rid] = Held(r, run, box, self._sink(box))
         try:
-            box = self.outbox(r.subscriber, peer)
+            cap, acts = self._feed(lambda: self.core.reserve(
+                r.rid, secrets.randbits(62), r.prefill_id, router, r.subscriber, len(r.prompt), run.pages,
+                run.generations, time.monotonic()))
         except EngineError:
+            self.held.pop(r.rid, None)
             self.engine.call(lambda: self.pool.free(run))
             raise
-        st = LeaseState(r, run, secrets.randbits(62), box, self.batcher.sink_for(box),
-                        router=peer.node if peer else "")
-        self.leases[r.rid] = st
-        if self.exposure is not None:
-            self.exposure.expose(r.rid, list(run.pages))
-        return P.Lease(rid=r.rid, nonce=st.nonce, pages=list(run.pages), generations=list(run.generations),
+        self._on_loop(acts)
+        return P.Lease(rid=r.rid, nonce=cap.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
-                       layout=list(self.pool.kv.shape), cap=self.grant(r.rid, st.nonce, r.prefill_id, run))
-
-    def _bound_leases(self, writer: str, router: str) -> None:
-        if len(self.leases) < self.max_leases:
-            return
-        if len(self.leases) >= 4 * self.max_leases:
-            raise TooManyRequests(f"{len(self.leases)} leases open on this decode")
-        if sum(st.reserve.prefill_id == writer for st in self.leases.values()) >= self.max_leases:
-            raise TooManyRequests(f"{self.max_leases} leases open for writer {writer}")
-        if sum(st.router == router for st in self.leases.values()) >= self.max_leases:
-            raise TooManyRequests(f"{self.max_leases} leases open for router {router}")
+                       layout=list(self.pool.kv.shape), cap=cap)
 
     async def _take_pages(self, rid: int, need: int, tenant: int) -> PageRun:
         """The prompt's pages, RESERVED for the lease (decode grows them as it generates). A pool that has
@@ -296,104 +317,59 @@ class DecodeService:
     # -- commit -----------------------------------------------------------------------------------------
     async def commit(self, c: P.Commit) -> P.Ack:
         self.faults.crash("crash_at_commit")
-        self.check_cap(c.cap, c.rid, c.nonce, c.pages)
-        st = self.leases.get(c.rid)
-        if st is None or st.nonce != c.nonce or st.aborted:
-            why = "no lease" if st is None else ("wrong nonce" if st.nonce != c.nonce else "lease revoked")
-            raise LeaseRevoked(f"commit for request {c.rid} refused: {why}; its pages were never readable")
-        if st.committed:  # a duplicated commit: already verified and running, change nothing
-            return P.Ack(ok=st.checksum == c.checksum, status=409, code="duplicate_commit",
-                         message="commit already accepted", first_token=c.first_token)
-        k = self.pool.cfg.pages_for(len(st.reserve.prompt))
-        covered = (c.n_tokens == len(st.reserve.prompt) and c.pages == list(st.run.pages[:k])
-                   and c.generations == list(st.run.generations[:k]))
-        if self.prot.coverage and not covered:
-            e = KVIntegrityError(f"commit for request {c.rid} covers {c.n_tokens} tokens / {len(c.pages)} pages, "
-                                 f"lease reserved {len(st.reserve.prompt)} tokens / {k} pages")
-            return await asyncio.wrap_future(self.engine.call(lambda: self._reject(st, e)))
-        return await asyncio.wrap_future(self.engine.call(lambda: self._verify_and_admit(st, c)))
+        acts = self._feed(lambda: self.core.commit(c, time.monotonic()))
+        if not any(isinstance(a, core.Verify) for a in acts):
+            return (await self._carry(acts))[0]
+        self._on_loop([a for a in acts if not isinstance(a, ENGINE_SIDE + (core.Verify,))])
+        rest = await asyncio.wrap_future(self.engine.call(lambda: self._on_engine(acts, c)))
+        return self._on_loop(rest)[0]
 
-    def _verify_and_admit(self, st: LeaseState, c: P.Commit) -> P.Ack:
-        """Engine thread: tags and checksum against the bytes in this pool, then OWNED and running. The pages
-        stop taking writes first, so nothing lands between the check and the first read."""
+    def _verify(self, h: Held, c: P.Commit) -> list:
+        """Engine thread, the lease concealed (no write lands between the check and the first read): tags and
+        checksum against the bytes in this pool; the core's answer is carried out in the same breath."""
         rid = c.rid
-        self._conceal(rid)
-        if st.aborted:  # aborted after the loop let this commit through: the abort owns the pages now
-            return P.Ack(ok=False, status=503, code=LeaseRevoked.code, message=f"request {rid}: lease aborted")
-        if self.prot.page_tags and not self.pool.run_ok(st.run, rid, PageState.RESERVED,
-                                                         self.engine.tenant_tag(st.reserve.tenant)):
-            return self._reject(st, KVIntegrityError(f"request {rid}: leased pages no longer reserved for it"))
-        if self.prot.checksum:
-            got = P.checksum(self.pool.kv, c.pages, c.n_tokens, rid, c.nonce, c.pages, c.generations, c.first_token)
-            if got != c.checksum:
-                if self.engine.metrics:
-                    self.engine.metrics.integrity_failures.inc()
-                return self._reject(st, KVIntegrityError(f"request {rid}: KV checksum mismatch"))
-        self.pool.set_state(st.run, PageState.OWNED)
-        st.committed = True
-        st.checksum = c.checksum
-        r = st.reserve
+        with self.lock:
+            lease = self.core.leases.get(rid)
+            if lease is None or lease.state is not core.LeaseState.VERIFYING:  # aborted meanwhile
+                return self.core.verified(rid, c.nonce, False, False, c.first_token)
+            tags_ok = not self.prot.page_tags or self.pool.run_ok(h.run, rid, PageState.RESERVED,
+                                                                  self.engine.tenant_tag(h.reserve.tenant))
+            sum_ok = not self.prot.checksum or P.checksum(self.pool.kv, c.pages, c.n_tokens, rid, c.nonce, c.pages,
+                                                          c.generations, c.first_token) == c.checksum
+            if tags_ok and not sum_ok and self.engine.metrics:
+                self.engine.metrics.integrity_failures.inc()
+            acts = self.core.verified(rid, c.nonce, tags_ok, sum_ok, c.first_token)
+        return self._on_engine(acts)
+
+    def _start(self, h: Held, first: int) -> None:
+        """Engine thread: the verified pages become OWNED and the request joins the decode batch."""
+        r = h.reserve
+        self.pool.set_state(h.run, PageState.OWNED)
         params = SamplingParams(max_tokens=r.max_new, **r.sampling)
-        seq = Sequence(rid, list(r.prompt), params, st.sink, eos_ids=self.eos,
-                       tokens=list(r.prompt) + [c.first_token], num_cached=len(r.prompt), run=st.run,
+        seq = Sequence(r.rid, list(r.prompt), params, h.sink, eos_ids=self.eos,
+                       tokens=list(r.prompt) + [first], num_cached=len(r.prompt), run=h.run,
                        phase=Phase.RUNNING, tenant=r.tenant)
-        reason = seq.finish_reason(c.first_token)
+        reason = seq.finish_reason(first)
         if reason:  # the first token already ended it: nothing to decode
-            self.pool.free(st.run)
-            st.sink(Event(rid, (), reason))
+            self.pool.free(h.run)
+            h.sink(Event(r.rid, (), reason))
         else:
             self.engine._admit(seq)
-        return P.Ack(ok=True, first_token=c.first_token)
-
-    def _conceal(self, rid: int) -> None:
-        if self.exposure is not None:
-            self.exposure.conceal(rid)
-
-    def _reject(self, st: LeaseState, e: EngineError) -> P.Ack:
-        self._conceal(st.reserve.rid)
-        self.engine.quarantined[st.reserve.rid] = self.pool.quarantine(st.run)
-        st.aborted = True
-        st.sink(Event(st.reserve.rid, (), "error", e))
-        return P.Ack(ok=False, status=e.status, code=e.code, message=str(e))
 
     # -- endings ----------------------------------------------------------------------------------------
     async def abort(self, a: P.Abort) -> dict:
-        st = self.leases.get(a.rid)
-        if st is None:  # lease bookkeeping already gone (stream closed first): the engine may still run it
+        found = a.rid in self.core.leases
+        acts = self._feed(lambda: self.core.abort(a.rid, a.nonce, a.writer_done))
+        if not found:  # lease bookkeeping already gone (stream closed first): the engine may still run it
             return {"found": await asyncio.wrap_future(self.engine.abort(a.rid))}
-        if st.committed:
-            await asyncio.wrap_future(self.engine.abort(a.rid))
-            self.leases.pop(a.rid, None)
-        elif not st.aborted:  # a writer may still target the pages: quarantine until WriterDone
-            st.aborted = True
-
-            def q() -> None:
-                self._conceal(a.rid)  # a late write now fails at the transport instead of landing
-                if st.committed:  # its commit was verified just before: stop it like any running request
-                    self.engine._abort(a.rid)
-                    return
-                if not self.prot.deferred_release:  # unsafe: straight back to the free list
-                    self.pool.free(st.run)
-                    return
-                self.engine.quarantined[a.rid] = self.pool.quarantine(st.run)
-
-            await asyncio.wrap_future(self.engine.call(q))
-            st.queue.put_nowait(Event(a.rid, (), "abort"))  # loop thread: straight to the queue
-        if a.writer_done and st.aborted and not st.committed:
-            await self._writer_done(P.WriterDone(rid=a.rid, nonce=st.nonce))
+        await self._carry(acts)
         return {"found": True}
 
     async def fence(self, f: P.Fence) -> dict:
-        """The writer is dead: its epoch moves on (whatever it sends from now on is 410), its leases are
-        revoked and their pages freed."""
-        self.epochs[f.prefill_id] = self.epochs.get(f.prefill_id, 0) + 1
-        n = 0
-        for rid, st in list(self.leases.items()):
-            if st.reserve.prefill_id == f.prefill_id and not st.committed:
-                await self.abort(P.Abort(rid=rid))
-                await self._writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
-                n += 1
-        return {"fenced": n}
+        """The writer is dead: the core moves its epoch on and revokes its open leases."""
+        acts = self._feed(lambda: self.core.fence(f.prefill_id))
+        await self._carry(acts)
+        return {"fenced": sum(isinstance(a, (core.Release, core.Free)) for a in acts)}
 
     async def _expire_loop(self) -> None:
         while True:
@@ -404,37 +380,26 @@ class DecodeService:
                 print(f"kvseal decode: lease expiry failed: {e!r}", flush=True)
 
     async def expire_stale(self) -> None:
-        """Leases older than the TTL and never committed: abort (pages QUARANTINED), then free them once the
-        prefill they name confirms it is not writing into them. An unreachable prefill is asked again later."""
-        now = time.monotonic()
-        for rid, st in list(self.leases.items()):
-            if st.committed or now - st.born < self.lease_ttl:
-                continue
-            if not st.aborted:
-                await self.abort(P.Abort(rid=rid, nonce=st.nonce))
-            try:
-                r = await self.client.post(st.reserve.prefill_id + "/kv/forget",
-                                           content=P.encode(P.Forget(rid=rid, nonce=st.nonce)))
-                writing = r.json()["writing"]
-            except (httpx.HTTPError, ValueError, KeyError):
-                continue
-            if not writing and not st.committed:
-                await self._writer_done(P.WriterDone(rid=rid, nonce=st.nonce))
+        acts = self._feed(lambda: self.core.expire(time.monotonic()))
+        await self._carry([a for a in acts if not isinstance(a, core.AskForget)])
+        for a in acts:  # one pass, in order: a forget answered now frees now
+            if isinstance(a, core.AskForget):
+                await self._ask_forget(a)
+
+    async def _ask_forget(self, a: core.AskForget) -> None:
+        """Ask the writer to Forget the lease; an unreachable one is asked again at the next expiry pass."""
+        try:
+            r = await self.client.post(a.writer + "/kv/forget", content=P.encode(P.Forget(rid=a.rid, nonce=a.nonce)))
+            writing = r.json()["writing"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return
+        await self.event(lambda: self.core.forget_answer(a.rid, a.nonce, writing))
 
     async def writer_done(self, w: P.WriterDone) -> dict:
         """The writer's own word (it must present the lease's capability)."""
-        self.check_cap(w.cap, w.rid, w.nonce)
-        return await self._writer_done(w)
-
-    async def _writer_done(self, w: P.WriterDone) -> dict:
-        st = self.leases.get(w.rid)
-        if st is None or st.nonce != w.nonce:
-            return {"released": False}
-        if st.aborted:
-            self.leases.pop(w.rid, None)
-            freed = await asyncio.wrap_future(self.engine.call(lambda: self.engine.release_quarantine(w.rid)))
-            return {"released": freed}
-        return {"released": False}
+        acts = self._feed(lambda: self.core.writer_done(w, time.monotonic()))
+        await self._carry(acts)
+        return {"released": bool(acts)}
 
 
 def decode_app(svc: DecodeService) -> FastAPI:

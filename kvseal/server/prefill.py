@@ -1,15 +1,16 @@
-"""The prefill worker's side of the protocol: admit → prefill → write the leased pages → commit → release.
+"""The prefill worker's HTTP adapter: admit → prefill → write the leased pages → commit → release.
 
-Admission comes first and is final: a request that does not fit this pool or the context is rejected with
-its original error before any page is allocated or byte moved. There is no placeholder path. The engine
-thread runs the prefill, samples the first token and writes the KV into the decode pool (``handoff``); the
-commit travels on the event loop; this worker's pages are freed only once decode has answered (deferred
-release). A rejected commit is followed by ``WriterDone`` so decode may free its quarantined pages.
+The rules (admission before any allocation, no placeholder path, a forgotten lease never written, deferred
+release, WriterDone after a refused commit) live in ``kvseal.protocol.prefill.PrefillCore``; this module feeds it
+(under one lock, from the event loop and the engine thread) and carries out its actions. The engine thread runs
+the prefill, samples the first token and writes the KV into the decode pool (``handoff``); the commit travels on
+the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -19,22 +20,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.errors import BadRequest, ContextLengthError, EngineError
+from kvseal.engine.errors import BadRequest, EngineError
 from kvseal.engine.sampling import Logprob, SamplingParams
-from kvseal.engine.sequence import Event, Phase, Sequence
+from kvseal.engine.sequence import Event, Sequence
 from kvseal.faults import Faults
+from kvseal.protocol import prefill as core
+from kvseal.protocol.prefill import LeaseExpired, PrefillCore  # noqa: F401 - re-exported
 from kvseal.server.backend import pool_health
 from kvseal.server.decode import ack_error
 from kvseal.server.guard import peer_of
 from kvseal.transfer import protocol as P
-
-
-class LeaseExpired(EngineError):
-    status = 503
-    code = "lease_expired"
-
-
-FORGOTTEN_MAX = 100_000
 
 
 class PrefillService:
@@ -44,71 +39,76 @@ class PrefillService:
         self.writer = writer
         self.prefill_id = prefill_id
         self.faults = faults or Faults()
+        prot = engine.cfg.protections
+        self.core = PrefillCore(prot.admission, prot.deferred_release)
+        self.lock = threading.Lock()  # the core is fed from the event loop and the engine thread, one at a time
         self.client = httpx.AsyncClient(timeout=30, **(http or {}))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pending: dict[int, tuple[P.Prefill, asyncio.Future]] = {}
-        # nonces of leases withdrawn before they were written: refused for good. Bounded, oldest dropped: a lease
-        # that old is long gone on decode, which refuses its commit anyway.
-        self.forgotten: dict[int, None] = {}
         engine.handoff = self.handoff
 
+    @property
+    def forgotten(self) -> dict[int, None]:
+        return self.core.forgotten
+
+    def _feed(self, event: Callable[[], object]) -> object:
+        with self.lock:
+            return event()
+
     async def prefill(self, p: P.Prefill) -> P.Ack:
-        if p.lease.nonce in self.forgotten:
-            raise LeaseExpired(f"request {p.rid}: its lease expired on decode before prefill began")
         self.loop = asyncio.get_running_loop()
         cfg = self.engine.cfg
-        too_long = len(p.prompt) + p.max_new > cfg.admit_limit
-        if too_long and self.faults.fire("legacy_placeholder"):
+        n = len(p.prompt)
+        bug = n + p.max_new > cfg.admit_limit and self.faults.fire("legacy_placeholder")
+        acts = self._feed(lambda: self.core.prefill(p.rid, p.lease.nonce, n, p.max_new, cfg.admit_limit,
+                                                    cfg.context_window, self.engine.pool.cfg.capacity_tokens, bug))
+        if any(isinstance(a, core.Admit) and a.placeholder for a in acts):
             p.prompt = p.prompt[:1]  # the 2026 bug: a 1-token placeholder, committed as if complete
-        elif too_long and cfg.protections.admission:
-            raise ContextLengthError(len(p.prompt), p.max_new, cfg.context_window, self.engine.pool.cfg.capacity_tokens)
         params = SamplingParams(**{**p.sampling, "max_tokens": 1})  # prefill samples the first token only
         done: asyncio.Future = self.loop.create_future()
         self.pending[p.rid] = (p, done)
-        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid), lease=p.lease, group=p.group,
+        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid, p.lease.nonce), lease=p.lease, group=p.group,
                        tenant=p.tenant)
 
         def admit() -> None:  # engine thread: a lease forgotten meanwhile never reaches the engine
-            if p.lease.nonce in self.forgotten:
-                raise LeaseExpired(f"request {p.rid}: its lease was withdrawn before prefill began")
-            self.engine._admit(seq)  # admission: raises before any allocation
+            if self._feed(lambda: self.core.computing(p.rid, p.lease.nonce)):
+                self.engine._admit(seq)  # admission: raises before any allocation
 
         try:
             if self.faults.fire("delay_prefill_admit"):
                 await asyncio.sleep(self.faults.delay)
-            await asyncio.wrap_future(self.engine.call(admit))
+            try:
+                await asyncio.wrap_future(self.engine.call(admit))
+            except EngineError as e:  # refused by the engine: the router gets this error, nothing else to settle
+                self._feed(lambda e=e: self.core.failed(p.rid, p.lease.nonce, e))
+                raise
             return await done
         finally:
             self.pending.pop(p.rid, None)
 
     async def forget(self, f: P.Forget) -> dict:
         """Stop, or never start, writing into this lease: decode expired it, or the router gave up on it.
-        Nothing written yet (not here, queued, or prefilling): it is stopped and refused for good, so the pages
-        may be freed now. Already writing or committing: the commit will be refused and WriterDone follows."""
-        self.forgotten[f.nonce] = None  # first: an admission racing with this call sees it on the engine thread
-        if len(self.forgotten) > FORGOTTEN_MAX:
-            del self.forgotten[next(iter(self.forgotten))]
-        entry = self.pending.get(f.rid)
-        if entry is None or entry[0].lease.nonce != f.nonce:
-            return {"writing": False}
+        ``{"writing": false}`` promises no byte will land."""
+        writing, acts = self._feed(lambda: self.core.forget(f.rid, f.nonce))
+        self._carry(acts)
+        return {"writing": writing}
 
-        def stop() -> bool:  # engine thread, between steps: a request is either handed off or not yet written
-            s = self.engine.seqs.get(f.rid)
-            if s is not None and s.phase is Phase.TRANSFER:
-                return False
-            if s is not None:
-                self.engine._finish(s, "abort")
-            return True
+    def _carry(self, acts: list) -> None:
+        """Event loop: carry out the core's actions."""
+        for a in acts:
+            if isinstance(a, core.StopCompute):
+                self.engine.call(lambda rid=a.rid: self.engine._abort(rid))
+            elif isinstance(a, core.ReleaseOwn):
+                self.engine.call(lambda rid=a.rid: self.engine.release(rid))
+            elif isinstance(a, core.Settle):
+                self._settle(a.rid, a.result)
 
-        if not await asyncio.wrap_future(self.engine.call(stop)):
-            return {"writing": True}
-        self._settle(f.rid, LeaseExpired(f"request {f.rid}: its lease was withdrawn before prefill wrote it"))
-        return {"writing": False}
-
-    def _sink(self, rid: int):
-        def sink(ev: Event) -> None:
+    def _sink(self, rid: int, nonce: int):
+        def sink(ev: Event) -> None:  # engine thread
             if ev.error is not None and self.loop:
-                self.loop.call_soon_threadsafe(self._settle, rid, ev.error)
+                err = ev.error if isinstance(ev.error, EngineError) else EngineError(str(ev.error))
+                acts = self._feed(lambda: self.core.failed(rid, nonce, err))
+                self.loop.call_soon_threadsafe(self._carry, acts)
         return sink
 
     def _settle(self, rid: int, result: object) -> None:
@@ -122,6 +122,9 @@ class PrefillService:
     def handoff(self, seq: Sequence) -> None:
         """Engine thread, right after prefill: write the prompt's pages into the lease, then commit."""
         lease: P.Lease = seq.lease
+        if not any(isinstance(a, core.Write) for a in self._feed(lambda: self.core.prefilled(seq.rid, lease.nonce))):
+            self.engine.release(seq.rid)  # withdrawn meanwhile: nothing written, the request was answered
+            return
         n = len(seq.prompt)
         k = self.engine.pool.cfg.pages_for(n)
         src, dst = list(seq.run.pages[:k]), lease.pages[:k]
@@ -132,10 +135,13 @@ class PrefillService:
                 self._write(src, lease, dst)
             self.faults.crash("crash_after_write")
         except Exception as e:  # noqa: BLE001 - the transfer failed: nothing was committed
+            acts = self._feed(lambda e=e: self.core.written(seq.rid, lease.nonce,
+                                                            EngineError(f"KV transfer failed: {e}")))
             self.engine.release(seq.rid)
-            self.loop.call_soon_threadsafe(self._settle, seq.rid, EngineError(f"KV transfer failed: {e}"))
+            self.loop.call_soon_threadsafe(self._carry, [a for a in acts if not isinstance(a, core.ReleaseOwn)])
             return
-        if not self.engine.cfg.protections.deferred_release:
+        acts = self._feed(lambda: self.core.written(seq.rid, lease.nonce))
+        if any(isinstance(a, core.ReleaseOwn) for a in acts):
             self.engine.release(seq.rid)  # unsafe: free before decode has even seen the commit
         first = seq.tokens[-1]
         digest = P.checksum(self.engine.pool.kv, src, n, seq.rid, lease.nonce, dst, lease.generations[:k], first)
@@ -172,15 +178,18 @@ class PrefillService:
             ack = P.Ack(ok=False, status=503, code="decode_unreachable", message=f"commit not delivered: {e}")
         if ack.ok:
             self.faults.crash("crash_after_commit")
+        ack.first_logprob, ack.cached_tokens = logprob, cached
+        acts = self._feed(lambda: self.core.acked(rid, commit.nonce, ack))
         # Deferred release: decode has answered (or is gone), so these pages may go. Pool tags change on the
         # engine thread only, and that call queues behind the engine's current step: the answer goes out first,
         # so a first token never waits for the next prefill batch.
-        released = self.engine.call(lambda: self.engine.release(rid))
-        if not ack.ok:
-            await self._writer_done(p, commit.nonce)
-        ack.first_logprob, ack.cached_tokens = logprob, cached
-        self._settle(rid, ack)
-        await asyncio.wrap_future(released)
+        released = [self.engine.call(lambda: self.engine.release(rid)) for a in acts if isinstance(a, core.ReleaseOwn)]
+        for a in acts:
+            if isinstance(a, core.SendWriterDone):
+                await self._writer_done(p, a.nonce)
+        self._carry([a for a in acts if isinstance(a, core.Settle)])
+        for fut in released:
+            await asyncio.wrap_future(fut)
 
     async def _send_commit(self, url: str, commit: P.Commit) -> P.Ack:
         if self.faults.fire("delay_commit"):

@@ -7,10 +7,8 @@ worker (``TokenMux``: one line per engine step). Admission against min(context, 
 happened in the API layer before any of this.
 
 Status follows truth: an error from any worker is returned with that worker's original status and code.
-A client that leaves mid-protocol never cuts a step in half: the reservation and the transfer each run to
-their end (or fail), then the router hands back what they left on decode (``_step``). A worker that stops
-answering fails its requests with 503 and is skipped until healthy again; a dead prefill is fenced on every
-decode.
+The protocol rules (what a client that leaves undoes, what an unanswered prefill means, when a worker is
+skipped or fenced) are the machines of ``kvseal.protocol.router``; this module carries out their actions.
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import msgspec
@@ -29,6 +26,8 @@ from kvseal.config import Protections
 from kvseal.engine.errors import EngineError, Overloaded, TooManyRequests
 from kvseal.engine.sequence import Event
 from kvseal.faults import Faults
+from kvseal.protocol import router as rp
+from kvseal.protocol.router import RouterRequest, WorkerHealth
 from kvseal.server.backend import GenRequest
 from kvseal.server.mux import TokenMux
 from kvseal.transfer import protocol as P
@@ -38,12 +37,14 @@ from kvseal.transfer import protocol as P
 class Worker:
     url: str
     role: str
-    healthy: bool = False
+    health: WorkerHealth
     info: dict = field(default_factory=dict)
     inflight: int = 0
-    misses: int = 0  # consecutive failed probes
-    last_ok: float = 0.0  # monotonic time of its last answer: evidence of life that a slow probe cannot erase
     mux: TokenMux | None = None  # decode workers: this router's token stream from it
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
 
     @property
     def score(self) -> tuple:
@@ -72,7 +73,7 @@ class Unanswered(Overloaded):
 
 
 def _down(w: Worker) -> None:
-    w.healthy = False
+    w.health.down()
 
 
 class DisaggBackend:
@@ -81,8 +82,10 @@ class DisaggBackend:
     def __init__(self, prefill: list[str], decode: list[str], model_name: str, timeout: float = 30.0,
                  protections: Protections | None = None, faults: Faults | None = None, probe_timeout: float = 5.0,
                  max_inflight: int = 256, queue_timeout: float = 120.0, http: dict | None = None) -> None:
-        self.prefills = [Worker(u.rstrip("/"), "prefill") for u in prefill]
-        self.decodes = [Worker(u.rstrip("/"), "decode") for u in decode]
+        self.probe_timeout = probe_timeout
+        self.busy_grace = max(3 * probe_timeout, 10.0)
+        self.prefills = [self._worker(u, "prefill") for u in prefill]
+        self.decodes = [self._worker(u, "decode") for u in decode]
         self.model_name = model_name
         self.timeout = timeout
         self.prot = protections or Protections()
@@ -92,8 +95,6 @@ class DisaggBackend:
         self.context_window = 0
         self.pool_tokens = 0
         self._tasks: set[asyncio.Task] = set()
-        self.probe_timeout = probe_timeout
-        self.busy_grace = max(3 * probe_timeout, 10.0)
         self.max_inflight = max_inflight  # per worker: past it, new requests are shed with 429 at once
         self.queue_timeout = max(queue_timeout, timeout)  # a transfer's wait for prefill, queue included
         self.subscriber = secrets.token_hex(8)  # names this router's token stream on every decode
@@ -108,21 +109,21 @@ class DisaggBackend:
             self.context_window = min(w.info["context_window"] for w in live)
             self.pool_tokens = min(w.info["pool_tokens"] for w in live)
 
+    def _worker(self, url: str, role: str) -> Worker:
+        url = url.rstrip("/")
+        return Worker(url, role, WorkerHealth(url, role, self.FENCE_AFTER, self.busy_grace))
+
     async def _probe(self, w: Worker) -> None:
-        """A busy worker is not a dead one. A refused connection is death; a probe that times out while the
-        worker answered real work within ``busy_grace`` seconds is a busy worker, left in service. Otherwise
-        skip it at its first miss, and fence a prefill only after FENCE_AFTER misses in a row, since fencing
-        revokes every lease it is writing."""
+        """Feed the worker's health machine: a busy worker is not a dead one (``WorkerHealth``)."""
         try:
             r = await self.client.get(w.url + "/health", params={"quick": "true"}, timeout=self.probe_timeout)
-            w.info, w.healthy, w.misses = r.json(), r.status_code == 200, 0
-            w.last_ok = time.monotonic()
+            w.info = r.json()
+            now = time.monotonic()
+            acts = w.health.probe_ok(now) if r.status_code == 200 else w.health.probe_unhealthy(now)
         except (httpx.HTTPError, ValueError) as e:
-            if isinstance(e, httpx.TimeoutException) and time.monotonic() - w.last_ok < self.busy_grace:
-                return
-            w.healthy = False
-            w.misses += 1
-            if w.role == "prefill" and w.misses == self.FENCE_AFTER:
+            acts = w.health.probe_failed(time.monotonic(), timed_out=isinstance(e, httpx.TimeoutException))
+        for a in acts:
+            if isinstance(a, rp.Fence):
                 await self._fence(w)
 
     async def _fence(self, dead: Worker) -> None:
@@ -166,73 +167,86 @@ class DisaggBackend:
             r = await self.client.post(w.url + path, content=P.encode(msg), **kw)
         except httpx.HTTPError as e:
             if not isinstance(e, httpx.ReadTimeout):  # a read timeout is a busy worker; the probe decides
-                w.healthy = False
+                w.health.down()
             raise Unanswered(f"{w.role} worker {w.url} unreachable: {type(e).__name__}") from None
-        w.last_ok = time.monotonic()
+        w.health.answered(time.monotonic())
         if r.status_code != 200:
             raise remote_error(r.status_code, r.content)
         return r.content
 
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
+        """The request's protocol runs in its own task (``_drive``), fed to a ``RouterRequest`` machine; this
+        generator only relays. A client that leaves tells the machine (``left``), which decides what to undo."""
         d, p = self._pick(self.decodes), self._pick(self.prefills)
         p.inflight += 1
-        sampling = req.params.to_wire()
         d.inflight += 1
-        committed = finished = False
+        m = RouterRequest(req.rid, guarded=self.prot.disconnect_guard)
+        first: asyncio.Queue = asyncio.Queue()
         events = d.mux.register(req.rid)  # before the lease exists: no event of this request goes unclaimed
+        driver = self._spawn(self._drive(m, d, p, req, first))
+        committed = finished = False
         try:
-            reserve = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
-                                sampling=sampling, prefill_id=p.url, subscriber=self.subscriber)
-            # a lease granted after the client left is handed back: nothing was written into it
-            lease = await self._step(self._reserve(d, reserve),
-                                     undo=lambda lease: self._abort(d, req.rid, lease.nonce, writer_done=True))
-            self.faults.crash("crash_after_reserve")
-            msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
-                            sampling=sampling, lease=lease, decode_url=d.url, group=req.group)
-            # a transfer that committed after the client left started decode for nobody: stop it
-            ack = await self._step(self._transfer(p, d, msg),
-                                   undo=lambda _ack: self._abort(d, req.rid, 0, writer_done=True),
-                                   unguarded=lambda: self._abort(d, req.rid, lease.nonce, writer_done=True))
+            got = await first.get()
+            if isinstance(got, BaseException):
+                raise got
             committed = True
             p.inflight -= 1
-            yield Event(req.rid, (ack.first_token,), logprobs=(ack.first_logprob,) if ack.first_logprob else (),
-                        cached_tokens=ack.cached_tokens)
+            yield Event(req.rid, (got.first_token,), logprobs=(got.first_logprob,) if got.first_logprob else (),
+                        cached_tokens=got.cached_tokens)
             async for ev in self._events(events, req.rid):
                 finished = ev.finish_reason is not None
+                if finished:
+                    m.final()
                 yield ev
         finally:
             d.inflight -= 1
             if not committed:
                 p.inflight -= 1
             d.mux.unregister(req.rid)
-            if committed and not finished:  # client left or stream broke: stop decode, free its pages.
-                # A task, not an await: this finally may run inside a cancelled scope.
-                self._spawn(self._abort(d, req.rid, 0, writer_done=True))
+            if not finished:  # client left or stream broke. A task, not an await: this may run cancelled.
+                acts = m.left()
+                if any(isinstance(a, rp.CancelStep) for a in acts):
+                    driver.cancel()
+                self._spawn(self._carry(m, d, p, req, acts, first))
 
-    async def _step(self, coro: Coroutine, undo: Callable[[Any], Coroutine],
-                    unguarded: Callable[[], Coroutine] | None = None) -> Any:
-        """One protocol step that a client disconnect must not cut in half.
+    async def _drive(self, m: RouterRequest, d: Worker, p: Worker, req: GenRequest, first: asyncio.Queue) -> None:
+        await self._carry(m, d, p, req, m.start(), first)
 
-        Guarded (default): the step runs to its end even if the client leaves; if it left, ``undo`` then
-        releases what the finished step holds on decode. Unguarded (unsafe, the 2026 load balancer): the
-        disconnect cancels the step where it stands and ``unguarded`` tells decode at once, as if the cancelled
-        call had stopped the writer — while the prefill worker may still be writing into the lease.
-        """
-        task = self._spawn(coro)
-        try:
-            return await (asyncio.shield(task) if self.prot.disconnect_guard else task)
-        except asyncio.CancelledError:
-            if not self.prot.disconnect_guard:
-                if unguarded:
-                    self._spawn(unguarded())
-            else:
-                task.add_done_callback(lambda t: self._undo_after(t, undo))
-            raise
-
-    def _undo_after(self, task: asyncio.Task, undo: Callable[[Any], Coroutine]) -> None:
-        """A step whose client left has ended: if it succeeded, undo it. (A failed step cleaned up itself.)"""
-        if not task.cancelled() and task.exception() is None:
-            self._spawn(undo(task.result()))
+    async def _carry(self, m: RouterRequest, d: Worker, p: Worker, req: GenRequest, acts: list,
+                     first: asyncio.Queue) -> None:
+        """Carry out the machine's actions, feeding it each answer, until it has nothing more to say."""
+        while acts:
+            a, acts = acts[0], acts[1:]
+            if isinstance(a, rp.SendReserve):
+                r = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
+                              sampling=req.params.to_wire(), prefill_id=p.url, subscriber=self.subscriber)
+                try:
+                    lease = await self._reserve(d, r)
+                except EngineError as e:
+                    acts += m.reserve_failed(e)
+                    continue
+                self.faults.crash("crash_after_reserve")
+                acts += m.lease(lease)
+            elif isinstance(a, rp.SendPrefill):
+                msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
+                                sampling=req.params.to_wire(), lease=a.lease, decode_url=d.url, group=req.group)
+                try:  # queued behind other prompts on a live prefill is not a failure: wait up to the queue timeout
+                    ack = P.decode(await self._post(p, "/prefill", msg, timeout=self.queue_timeout), P.Ack)
+                except Unanswered as e:  # unreachable, or busy past the timeout: what it did is unknown
+                    acts += m.unanswered(e)
+                    continue
+                except EngineError as e:  # prefill answered: it writes nothing more
+                    acts += m.refused(e)
+                    continue
+                acts += m.acked(ack)
+            elif isinstance(a, rp.SendForget):
+                acts += m.forget_answer(await self._forget(p, a.rid, a.nonce))
+            elif isinstance(a, rp.SendAbort):
+                await self._abort(d, a.rid, a.nonce, writer_done=a.writer_done)
+            elif isinstance(a, rp.FirstToken):
+                first.put_nowait(a.ack)
+            elif isinstance(a, rp.Fail):
+                first.put_nowait(a.error)
 
     def _spawn(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -242,20 +256,6 @@ class DisaggBackend:
 
     async def _reserve(self, d: Worker, r: P.Reserve) -> P.Lease:
         return P.decode(await self._post(d, "/kv/reserve", r), P.Lease)
-
-    async def _transfer(self, p: Worker, d: Worker, msg: P.Prefill) -> P.Ack:
-        """Prefill's answer is final; on any failure, decode is told to drop the lease."""
-        try:
-            # queued behind other prompts on a live prefill is not a failure: wait up to the queue timeout
-            return P.decode(await self._post(p, "/prefill", msg, timeout=self.queue_timeout), P.Ack)
-        except Unanswered:  # unreachable, or busy past the timeout: ask it to drop the lease. If it confirms it
-            # never wrote, decode may free the pages now; otherwise fencing or the TTL decides.
-            stopped = await self._forget(p, msg.rid, msg.lease.nonce)
-            await self._abort(d, msg.rid, msg.lease.nonce, writer_done=stopped)
-            raise
-        except EngineError:  # prefill answered: it wrote nothing more
-            await self._abort(d, msg.rid, msg.lease.nonce, writer_done=True)
-            raise
 
     async def _forget(self, p: Worker, rid: int, nonce: int) -> bool:
         """The router gave up on a transfer: prefill stops the request if it has not written yet. True only if
