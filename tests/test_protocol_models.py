@@ -138,3 +138,36 @@ def test_spin_proves_the_protocol_safe_and_every_request_ends():
 def test_spin_finds_each_known_bad_variant(variant):
     verdict, _ = tool(check.spin, variant)
     assert verdict == "violated", f"{variant}: SPIN found nothing"
+
+
+def test_a_copy_of_a_prefill_is_never_judged_again():
+    """Found by the simulator (seeds 1068, 5966): a copy answered "refused" let the router free the lease while
+    the first copy was writing. A copy of a running transfer gets no answer; after a refusal, it is refused."""
+    core = prefill.PrefillCore()
+    assert core.prefill(1, 77, n_prompt=4, max_new=1, admit_limit=8) == [prefill.Admit(1)]
+    assert core.prefill(1, 77, n_prompt=4, max_new=1, admit_limit=8) == []  # in progress: the original answers
+    with pytest.raises(Exception) as refused:
+        core.prefill(2, 88, n_prompt=30, max_new=1, admit_limit=8)
+    assert refused.value.status == 400
+    with pytest.raises(prefill.LeaseExpired):  # the same lease again, even if it would fit now: never written
+        core.prefill(2, 88, n_prompt=3, max_new=1, admit_limit=8)
+
+
+def test_prefill_events_name_the_lease_not_only_the_request():
+    """Found by the simulator (seed 3747): a request id reused while an old transfer computed let the old one
+    write into the new one's state."""
+    core = prefill.PrefillCore()
+    core.prefill(1, 77, n_prompt=4, max_new=1, admit_limit=8)
+    assert core.forget(1, 77)[0] is False  # withdrawn before any write
+    core.prefill(1, 99, n_prompt=4, max_new=1, admit_limit=8)  # the id comes back, a new lease
+    assert core.prefilled(1, 77) == [prefill.ReleaseOwn(1)]  # the old transfer's engine result writes nothing
+    assert core.prefilled(1, 99) == [prefill.Write(1)]
+
+
+def test_an_abort_for_another_lease_of_the_same_request_id_changes_nothing():
+    """Found by the simulator (seed 82): an abort without a nonce freed a newer lease's pages mid-write."""
+    core = decode.DecodeCore(b"k" * 32, "d0")
+    cap, _ = core.reserve(1, 5, "p0", "r0", "s0", 4, (0,), (0,), 0.0)
+    assert core.abort(1, nonce=4, writer_done=True) == []  # an older lease's abort
+    assert core.leases[1].state is decode.LeaseState.RESERVED
+    assert decode.Release(1) in core.abort(1, nonce=cap.nonce, writer_done=True)
