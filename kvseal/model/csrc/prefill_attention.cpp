@@ -2,10 +2,12 @@
 //
 // A chunk is n query rows at positions pos0 .. pos0 + n - 1 of one request; its own keys and values are
 // already in the pool (the forward stores them before attention), so every key comes from the request's
-// pages: query row i sees positions 0 .. pos0 + i. One task is (16 query rows, kv head): for each page of 16
-// keys, the keys are transposed once into 32-bit columns (bf16 pairs), each of the G x 16 queries scores the
-// page with vdpbf16ps (16 scores per vector, bf16 products exact, fp32 sums), runs an online softmax in fp32
-// and accumulates the page's values, widened once to fp32. Output is rounded once to bf16.
+// pages: query row i sees positions 0 .. pos0 + i. One task is (16 query rows, kv head), and its vectors run
+// across the 16 rows: the queries are transposed once per task into 32-bit columns (bf16 pairs), and each
+// key's pairs are broadcast into vdpbf16ps, giving that key's 16 scores (bf16 products exact, fp32 sums).
+// Keys come two pages (32) at a time; the online softmax's maxima, sums and corrections are then vertical
+// ops over 16 rows at once (no horizontal reductions, no scalar exp), and the values, widened once to fp32,
+// are accumulated with fp32 FMAs. Output is rounded once to bf16.
 //
 // The fast path needs AVX-512 BF16, bf16 pools, 16-slot pages, head_dim 32/64/128 and G <= 8; anything else
 // returns 0 and the caller takes the plain PyTorch path (gather + SDPA), which is also the reference
@@ -46,20 +48,28 @@ template <int G, int C>  // G queries per kv head, C = head_dim / 32
 void prefill_task(const uint16_t* q, int64_t q_row_stride, const uint16_t* kv, const int64_t* pages, int64_t rows,
                   int64_t first_pos, int64_t page_stride, int64_t head_off, int64_t v_off, float scale,
                   uint16_t* out, int64_t out_row_stride) {
-  constexpr int D = 32 * C, NV = D / 16, P = 16;
-  alignas(64) float acc[G][16][D];
-  float m[G][16], l[G][16];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < 16; ++i) {
-      m[g][i] = -INFINITY;
-      l[g][i] = 0.f;
-      for (int d = 0; d < D; ++d) acc[g][i][d] = 0.f;
+  // Lanes are query rows: a vector holds one key's scores (or one dimension's output) for the task's 16 rows.
+  // Row maxima and sums are then plain vertical ops, one exp16 corrects 16 rows at once, and keys need no
+  // transpose: each key's bf16 pair is broadcast into vdpbf16ps against the queries, transposed once per task.
+  constexpr int D = 32 * C, DP = D / 2, P = 16, SP = 2, KB = SP * P;
+  alignas(64) __m512i qt[G][DP];      // qt[g][j] lane r: row r's dword j (dims 2j, 2j + 1) of head g
+  alignas(64) float o[G][D][16];      // unnormalized output, o[g][d] lane r
+  alignas(64) float vf[KB][D];        // this block's values, widened to fp32
+  alignas(64) __m512 pw[KB];          // this block's probabilities, one vector of rows per key
+  __m512 m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) {
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t)
+        r[t] = t < rows ? _mm512_loadu_si512(q + t * q_row_stride + g * D + 32 * c) : _mm512_setzero_si512();
+      transpose16(r, qt[g] + 16 * c);
     }
-  // two pages (32 keys) per softmax update: half the reductions, rescales and scalar work per key
-  constexpr int SP = 2;
-  alignas(64) __m512i kt[SP][16 * C];
-  alignas(64) float vf[SP * P][D];
-  alignas(64) float pw[SP * P];
+    m[g] = _mm512_set1_ps(-INFINITY);
+    l[g] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) _mm512_store_ps(o[g][d], _mm512_setzero_ps());
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 sc = _mm512_set1_ps(scale);
   const int64_t last_pos = first_pos + rows - 1, n_pages = last_pos / P + 1;
   for (int64_t p = 0; p < n_pages; p += SP) {
     const int np = n_pages - p < SP ? static_cast<int>(n_pages - p) : SP;
@@ -70,85 +80,67 @@ void prefill_task(const uint16_t* q, int64_t q_row_stride, const uint16_t* kv, c
         _mm_prefetch(nk + v_off * 2 + i, _MM_HINT_T0);
       }
     }
-    for (int e = 0; e < np; ++e) {
-      const uint16_t* kp = kv + pages[p + e] * page_stride + head_off;
-      const uint16_t* vp = kp + v_off;
-      for (int c = 0; c < C; ++c) {
-        __m512i r[16];
-        for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(kp + t * D + 32 * c);
-        transpose16(r, kt[e] + 16 * c);
+    // keys of this block that some row sees; slots past the chunk's last position are never read
+    const int64_t kbase = p * P;
+    const int nk = last_pos - kbase + 1 < np * P ? static_cast<int>(last_pos - kbase + 1) : np * P;
+    const uint16_t* kp[SP];
+    for (int e = 0; e < SP; ++e) kp[e] = kv + pages[p + (e < np ? e : 0)] * page_stride + head_off;
+    for (int t = 0; t < nk; ++t)
+      for (int v = 0; v < D / 16; ++v) _mm512_store_ps(&vf[t][16 * v], widen16(kp[t / P] + v_off + (t % P) * D + 16 * v));
+    for (int g = 0; g < G; ++g) {
+      __m512 s[KB];
+      for (int k0 = 0; k0 < nk; k0 += 8) {
+        const uint32_t* kd[8];
+        for (int j = 0; j < 8; ++j) {
+          const int t = k0 + j < nk ? k0 + j : 0;
+          kd[j] = reinterpret_cast<const uint32_t*>(kp[t / P] + (t % P) * D);
+        }
+        __m512 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+        for (int j2 = 0; j2 < DP; ++j2) {
+          const __m512bh qv = (__m512bh)qt[g][j2];
+          for (int j = 0; j < 8; ++j)
+            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kd[j][j2])));
+        }
+        for (int j = 0; j < 8; ++j) s[k0 + j] = _mm512_mul_ps(a[j], sc);
       }
-      // slots past the chunk's last position hold whatever the page holds: masked, their values never read
-      const int64_t valid = last_pos - (p + e) * P + 1 < P ? last_pos - (p + e) * P + 1 : P;
-      for (int t = 0; t < valid; ++t)
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(&vf[e * P + t][16 * v], widen16(vp + t * D + 16 * v));
-    }
-    const int64_t i0 = p * P - first_pos > 0 ? p * P - first_pos : 0;  // rows before i0 see none of these
-    for (int64_t i = i0; i < rows; ++i) {
-      const int64_t seen_all = first_pos + i - p * P + 1;  // keys of these pages that row i sees
-      const int n = seen_all < np * P ? static_cast<int>(seen_all) : np * P;
-      const int n0 = n < P ? n : P, n1 = n - n0;
-      const __mmask16 live0 = n0 == P ? 0xffff : static_cast<__mmask16>((1u << n0) - 1);
-      const __mmask16 live1 = n1 == P ? 0xffff : static_cast<__mmask16>((1u << n1) - 1);
-      for (int g = 0; g < G; ++g) {
-        const uint32_t* qd = reinterpret_cast<const uint32_t*>(q + i * q_row_stride + g * D);
-        __m512 s0 = _mm512_set1_ps(-INFINITY), s1 = _mm512_set1_ps(-INFINITY);
-        {
-          // independent chains: vdpbf16ps latency, not throughput, would bound a single one
-          __m512 a4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-          __m512 b4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-          for (int j = 0; j < 16 * C; j += 4)
-            for (int k = 0; k < 4; ++k) {
-              const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qd[j + k]));
-              a4[k] = _mm512_dpbf16_ps(a4[k], (__m512bh)kt[0][j + k], qv);
-              if (n1 > 0) b4[k] = _mm512_dpbf16_ps(b4[k], (__m512bh)kt[1][j + k], qv);
-            }
-          const __m512 sc = _mm512_set1_ps(scale);
-          s0 = _mm512_mask_mov_ps(s0, live0, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a4[0], a4[1]),
-                                                                          _mm512_add_ps(a4[2], a4[3])), sc));
-          if (n1 > 0)
-            s1 = _mm512_mask_mov_ps(s1, live1, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(b4[0], b4[1]),
-                                                                            _mm512_add_ps(b4[2], b4[3])), sc));
+      // row r sees key kbase + t when kbase + t <= first_pos + r
+      __mmask16 live[KB];
+      __m512 bm = _mm512_set1_ps(-INFINITY);
+      for (int t = 0; t < nk; ++t) {
+        const int64_t need = kbase + t - first_pos;  // the first row that sees this key
+        live[t] = need <= 0 ? 0xffff : _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(need)));
+        bm = _mm512_mask_max_ps(bm, live[t], bm, s[t]);
+      }
+      const __m512 mx = _mm512_max_ps(m[g], bm);
+      const __m512 corr = exp16(_mm512_sub_ps(m[g], mx));
+      m[g] = mx;
+      __m512 sum = _mm512_setzero_ps();
+      for (int t = 0; t < nk; ++t) {
+        pw[t] = _mm512_maskz_mov_ps(live[t], exp16(_mm512_sub_ps(s[t], mx)));
+        sum = _mm512_add_ps(sum, pw[t]);
+      }
+      l[g] = _mm512_fmadd_ps(l[g], corr, sum);
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(o[g][d0 + j]), corr);
+        for (int t = 0; t < nk; ++t) {
+          const __m512 pt = pw[t];
+          for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_set1_ps(vf[t][d0 + j]), a[j]);
         }
-        const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-        const float mx = step_max > m[g][i] ? step_max : m[g][i];
-        const __m512 mv = _mm512_set1_ps(mx);
-        const __m512 p0 = _mm512_maskz_mov_ps(live0, exp16(_mm512_sub_ps(s0, mv)));
-        const __m512 p1 = _mm512_maskz_mov_ps(live1, exp16(_mm512_sub_ps(s1, mv)));
-        const float corr = std::exp(m[g][i] - mx);
-        m[g][i] = mx;
-        l[g][i] = l[g][i] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-        _mm512_store_ps(pw, p0);
-        _mm512_store_ps(pw + P, p1);
-        __m512 a[NV], b[NV];  // even and odd keys: two chains per vector
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int v = 0; v < NV; ++v) {
-          a[v] = _mm512_mul_ps(_mm512_load_ps(&acc[g][i][16 * v]), cv);
-          b[v] = _mm512_setzero_ps();
-        }
-        int t = 0;
-        for (; t + 1 < n; t += 2) {
-          const __m512 w0 = _mm512_set1_ps(pw[t]), w1 = _mm512_set1_ps(pw[t + 1]);
-          for (int v = 0; v < NV; ++v) {
-            a[v] = _mm512_fmadd_ps(w0, _mm512_load_ps(&vf[t][16 * v]), a[v]);
-            b[v] = _mm512_fmadd_ps(w1, _mm512_load_ps(&vf[t + 1][16 * v]), b[v]);
-          }
-        }
-        if (t < n) {
-          const __m512 w0 = _mm512_set1_ps(pw[t]);
-          for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(w0, _mm512_load_ps(&vf[t][16 * v]), a[v]);
-        }
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(&acc[g][i][16 * v], _mm512_add_ps(a[v], b[v]));
+        for (int j = 0; j < 16; ++j) _mm512_store_ps(o[g][d0 + j], a[j]);
       }
     }
   }
-  for (int64_t i = 0; i < rows; ++i)
-    for (int g = 0; g < G; ++g) {
-      const __m512 inv = _mm512_set1_ps(1.f / l[g][i]);
-      for (int v = 0; v < NV; ++v)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * out_row_stride + g * D + 16 * v),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&acc[g][i][16 * v]), inv)));
-    }
+  alignas(64) uint16_t ob[D][16];
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[g]);
+    for (int d = 0; d < D; ++d)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ob[d]),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[g][d]), inv)));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int d = 0; d < D; ++d) out[r * out_row_stride + g * D + d] = ob[d][r];
+  }
 }
 
 template <int C>
