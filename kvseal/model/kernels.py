@@ -1,5 +1,6 @@
-"""The project's own compiled kernels: paged decode attention that reads the pool in place, and the fused
-per-layer ops (residual add + RMSNorm, RoPE + K/V store, SiLU * up).
+"""The project's own compiled kernels: paged decode and prefill attention that read the pool in place, the bf16
+linear layers (``csrc/gemm.cpp``), and the fused per-layer ops (residual add + RMSNorm, RoPE + K/V store,
+SiLU * up).
 
 ``csrc/*.cpp`` are built by the normal install (``setup.py``, g++ with ``-march=native`` and OpenMP) into
 ``kvseal/model/_kernels*.so`` and called through ctypes; it has a C ABI and no Python or PyTorch headers. It shares PyTorch's OpenMP runtime (the same ``libgomp.so.1``), so ``torch.set_num_threads``
@@ -125,6 +126,37 @@ class FusedOps:
         return out
 
 
+class Gemm:
+    """bf16 ``y = x @ W.T`` with ``W`` packed once (``pack``); bit-identical to PyTorch's bf16 linear here."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        self._supported = lib.kvseal_gemm_supported
+        self._supported.argtypes, self._supported.restype = [_I64, _I64], ctypes.c_int
+        self._pack = lib.kvseal_gemm_pack_bf16
+        self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
+        self._gemm = lib.kvseal_gemm_bf16
+        self._gemm.argtypes, self._gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
+
+    def fits(self, w: torch.Tensor) -> bool:
+        return w.dtype == torch.bfloat16 and w.dim() == 2 and bool(self._supported(*w.shape))
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """The kernel's layout of ``w [N, K]`` (a flat tensor of the same size)."""
+        w = w.contiguous()
+        packed = torch.empty(w.numel(), dtype=torch.bfloat16)  # PyTorch aligns CPU tensors to 64 bytes
+        assert packed.data_ptr() % 64 == 0
+        self._pack(w.data_ptr(), w.shape[0], w.shape[1], packed.data_ptr())
+        return packed
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        m, k = x.shape
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == n * k
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        self._gemm(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, out.data_ptr())
+        return out
+
+
 def kernels_enabled() -> bool:
     return os.environ.get("KVSEAL_KERNELS", "on") != "off" and library_path() is not None
 
@@ -135,6 +167,11 @@ def load_decode_kernel(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
         return None
     k = DecodeKernel(library_path())
     return k if k.supports(heads, kv_heads, head_dim, dtype) else None
+
+
+def load_gemm() -> Gemm | None:
+    """The bf16 GEMM if it was built (bf16 weights then skip oneDNN), else None."""
+    return Gemm(library_path()) if kernels_enabled() else None
 
 
 def load_fused_ops(head_dim: int, dtype: torch.dtype) -> FusedOps | None:

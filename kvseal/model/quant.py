@@ -1,9 +1,12 @@
 """Linear layers with the weight kernel chosen per step: bf16, or weight-only int8 / int4 for small batches.
 
-``--weights bf16`` runs bf16 weights through oneDNN with the weight prepacked once at load
-(``mkldnn._reorder_linear_weight``): the same arithmetic as ``F.linear`` (bit-identical output), without
-reordering the weight on every call, which made ``F.linear`` 25–30% slower at this model's shapes. fp32
-weights keep plain ``F.linear``. ``int8`` (per-output-channel symmetric scales) and ``int4``
+``--weights bf16`` runs bf16 weights through the project's GEMM (``csrc/gemm.cpp``, packed once at load),
+which computes what ``F.linear`` computes here bit for bit, hands its work out dynamically (a core that
+another process borrows for a moment does not hold up the other), and streams weights faster for few rows.
+Where it is not built or does not fit (no AVX-512 BF16, a bias, odd shapes, ``KVSEAL_KERNELS=off``), the
+weight is prepacked once for oneDNN (``mkldnn._reorder_linear_weight``): the same arithmetic as
+``F.linear`` too, without reordering the weight on every call, which made ``F.linear`` 25–30% slower at
+this model's shapes. fp32 weights keep plain ``F.linear``. ``int8`` (per-output-channel symmetric scales) and ``int4``
 (groups of 32 along K, asymmetric: scale and zero per group, the same grid as GGUF's Q4_1 blocks) keep a
 packed copy beside the bf16 weight and use PyTorch's own weight-only kernels (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm_for_cpu``) when a step has at most ``small_rows`` rows: a decode step of a few streams
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvseal.model.kernels import Gemm, load_gemm
 
 WEIGHT_MODES = ("bf16", "int8", "int4")
 INT4_GROUP = 32
@@ -38,10 +43,14 @@ class Linear:
             self.q, self.scales = quantize_int8(weight)
         elif self.mode == "int4":
             self.q, self.scales = quantize_int4(weight)
-        self.packed = prepack(weight)
+        gemm = load_gemm()
+        self.gemm: Gemm | None = gemm if gemm is not None and bias is None and gemm.fits(weight) else None
+        self.packed = self.gemm.pack(weight) if self.gemm is not None else prepack(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "bf16" or x.shape[0] > self.small_rows:
+            if self.gemm is not None:
+                return self.gemm(x, self.packed, self.weight.shape[0])
             if self.packed is None:
                 return F.linear(x, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")

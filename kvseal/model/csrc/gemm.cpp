@@ -1,0 +1,111 @@
+// bf16 linear layers, y = x @ W.T, with the weight packed once at load and the work handed out dynamically.
+//
+// The weight [N, K] is packed into blocks of 16 output columns: block b holds, for each pair of input
+// features (2k, 2k + 1), the 16 columns' two weights side by side, which is the operand vdpbf16ps takes.
+// One task is a panel of up to 3 blocks (48 columns) for all rows, in chunks of 8 rows: 24 accumulators,
+// 3 weight loads and 8 broadcast rows per pair of features. Each output sums its K products in order,
+// two at a time, in fp32, and is rounded once to bf16: what PyTorch's oneDNN path computes on this CPU, bit
+// for bit (tests/test_quant.py), and the same whatever the number of rows (a row's result does not depend on
+// what shares its step).
+//
+// Why not oneDNN: it splits each GEMM into a fixed share per thread, so when another process (an HTTP
+// thread, a client) takes one core for a moment, the other core waits at the end of every GEMM. Panels are
+// handed out one at a time (OpenMP dynamic schedule), so the free core takes the work. It is also faster for
+// few rows (batch-1 decode: 1.6x, memory-bound, it streams each weight once with no reorder).
+//
+// Needs AVX-512 BF16, N a multiple of 16 and K even; otherwise kvseal_gemm_supported() is 0 and the caller
+// keeps oneDNN (kvseal.model.quant).
+#include "common.h"
+
+namespace {
+#if defined(__AVX512BF16__)
+template <int R, int NB>
+inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t pairs, int64_t block, uint16_t* out,
+                  int64_t ldo) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint32_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const uint32_t*>(x + r * ldx);
+  for (int64_t k = 0; k < pairs; ++k) {
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_load_si512(wp + j * block + k * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][k]));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+
+template <int NB>
+void panel(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* wp, int64_t pairs, uint16_t* out, int64_t ldo) {
+  const int64_t block = pairs * 32;
+  int64_t i = 0;
+  for (; i + 8 <= m; i += 8) micro<8, NB>(x + i * ldx, ldx, wp, pairs, block, out + i * ldo, ldo);
+  const uint16_t* xi = x + i * ldx;
+  uint16_t* oi = out + i * ldo;
+  switch (m - i) {
+    case 1: micro<1, NB>(xi, ldx, wp, pairs, block, oi, ldo); break;
+    case 2: micro<2, NB>(xi, ldx, wp, pairs, block, oi, ldo); break;
+    case 3: micro<3, NB>(xi, ldx, wp, pairs, block, oi, ldo); break;
+    case 4: micro<4, NB>(xi, ldx, wp, pairs, block, oi, ldo); break;
+    case 5: micro<5, NB>(xi, ldx, wp, pairs, block, oi, ldo); break;
+    case 6: micro<6, NB>(xi, ldx, wp, pairs, block, oi, ldo); break;
+    case 7: micro<7, NB>(xi, ldx, wp, pairs, block, oi, ldo); break;
+    default: break;
+  }
+}
+#endif
+}  // namespace
+
+extern "C" {
+
+int kvseal_gemm_supported(int64_t n, int64_t k) {
+#if defined(__AVX512BF16__)
+  return n > 0 && k > 0 && n % 16 == 0 && k % 2 == 0;
+#else
+  (void)n, (void)k;
+  return 0;
+#endif
+}
+
+// w [n, k] row-major bf16 -> packed [n / 16][k / 2][16][2] (the caller allocates n * k values, 64-byte aligned)
+void kvseal_gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
+  const int64_t pairs = k / 2;
+#pragma omp parallel for
+  for (int64_t b = 0; b < n / 16; ++b)
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int c = 0; c < 16; ++c) {
+        uint16_t* dst = packed + ((b * pairs + p) * 16 + c) * 2;
+        const uint16_t* src = w + (b * 16 + c) * k + 2 * p;
+        dst[0] = src[0];
+        dst[1] = src[1];
+      }
+}
+
+// out [m, n] = x [m, k] (row stride ldx) @ W.T, W packed by kvseal_gemm_pack_bf16
+void kvseal_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k,
+                      uint16_t* out) {
+#if defined(__AVX512BF16__)
+  const int64_t blocks = n / 16, panels = (blocks + 2) / 3, pairs = k / 2;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t b0 = 3 * p, nb = blocks - b0 < 3 ? blocks - b0 : 3;
+    const uint16_t* wp = packed + b0 * pairs * 32;
+    uint16_t* o = out + b0 * 16;
+    if (nb == 3)
+      panel<3>(x, ldx, m, wp, pairs, o, n);
+    else if (nb == 2)
+      panel<2>(x, ldx, m, wp, pairs, o, n);
+    else
+      panel<1>(x, ldx, m, wp, pairs, o, n);
+  }
+#else
+  (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
+#endif
+}
+
+}  // extern "C"
