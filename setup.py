@@ -6,7 +6,7 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "kvseal.model._kernels", ["kvseal/model/csrc/decode_attention.cpp", "kvseal/model/csrc/prefill_attention.cpp",
-                             "kvseal/model/csrc/gemm.cpp",
+                             "kvseal/model/csrc/gemm.cpp", "kvseal/model/csrc/layers.cpp",
                              "kvseal/model/csrc/fused.cpp"],
     depends=["kvseal/model/csrc/common.h"], language="c++",
     extra_compile_args=["-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffp-contract=off"],

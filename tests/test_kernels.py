@@ -212,3 +212,45 @@ def test_prefill_kernel_is_as_accurate_as_fp32_attention_rounded_once(kernel):
     err_rounded = (exact.to(torch.bfloat16).float() - exact).abs().mean()
     err_sdpa = (sdpa(q, ks, vs) - exact).abs().mean()
     assert err_kernel <= 1.02 * err_rounded and err_kernel <= err_sdpa
+
+
+def test_the_native_layer_loop_equals_the_python_one(bf16_model):
+    """``NativeLayers`` (the layer loop in one native call) runs the same kernels in the same order as
+    ``_layers_fused``: a step mixing decode rows of ragged lengths with two prefill chunks (one from position 0,
+    one over earlier pages) gives bit-identical logits and writes bit-identical K/V into the pool."""
+    from kvseal.model.attention import DecodeRows, Span
+    from kvseal.model.llama import ForwardBatch
+    model = bf16_model.model
+    if model.native_table is None:
+        pytest.skip("no native layer loop here (no AVX-512 BF16 GEMM)")
+    cfg, page = model.cfg, 16
+    gen = torch.Generator().manual_seed(5)
+    kv = (0.5 * torch.randn(64, cfg.num_layers, 2, cfg.num_kv_heads, page, cfg.head_dim, generator=gen)).to(torch.bfloat16)
+    perm = torch.randperm(64, generator=gen)
+    lens = [5, 40, 17]  # decode rows: context including the new token
+    dec_pages = torch.stack([perm[4 * i: 4 * i + 4] for i in range(3)]).contiguous()
+    spans_at = [(0, 37, perm[12:15].contiguous()), (20, 30, perm[15:19].contiguous())]  # (pos0, n, pages)
+    pos, slots = [], []
+    for i, n in enumerate(lens):
+        pos.append(n - 1)
+        slots.append(int(dec_pages[i, (n - 1) // page]) * page + (n - 1) % page)
+    spans, start = [], len(lens)
+    for p0, n, pages in spans_at:
+        spans.append(Span(start, n, p0, pages))
+        for p in range(p0, p0 + n):
+            pos.append(p)
+            slots.append(int(pages[p // page]) * page + p % page)
+        start += n
+    ends = torch.tensor([0, 1, 2, 3 + 37 - 1, 3 + 37 + 30 - 1])
+    batch = ForwardBatch(torch.randint(0, cfg.vocab_size, (start,), generator=gen), torch.tensor(pos),
+                         torch.tensor(slots), ends, DecodeRows(dec_pages, torch.tensor(lens)), spans)
+    kv_python = kv.clone()
+    got = model.forward(kv, batch)
+    native = model.native
+    try:
+        model.native = None
+        ref = model.forward(kv_python, batch)
+    finally:
+        model.native = native
+    assert torch.equal(got, ref)
+    assert torch.equal(kv, kv_python)

@@ -175,7 +175,8 @@ class Engine:
                 done.append(row)
         seqs = [res.seqs[r] for r in done]
         t0 = time.perf_counter()
-        tokens = sample(res.logits[done], seqs)
+        logits = res.logits if len(done) == len(res.seqs) else res.logits[done]  # no copy in a decode step
+        tokens = sample(logits, seqs)
         self._step_times["sample"] = time.perf_counter() - t0
         for row, s, (tok, lp) in zip(done, seqs, tokens):
             s.logprob = lp

@@ -50,6 +50,10 @@ class DecodeKernel:
         _, heads, dim = q.shape
         return q.dtype == kv.dtype == torch.bfloat16 and bool(self._prefill_supported(heads, kv.shape[3], dim, kv.shape[4]))
 
+    def prefill_takes(self, heads: int, kv_heads: int, dim: int, kv: torch.Tensor) -> bool:
+        """``prefill_fits`` for a query of ``heads`` x ``dim`` in the model's dtype."""
+        return kv.dtype == torch.bfloat16 and bool(self._prefill_supported(heads, kv_heads, dim, kv.shape[4]))
+
     def prefill(self, q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, pos0: int) -> torch.Tensor:
         """Causal attention of one chunk: ``q [n, H, D]`` (rows of any stride) at positions ``pos0 ..
         pos0 + n - 1`` over the request's ``pages`` (its own keys already stored) → ``[n, H*D]``."""
@@ -157,6 +161,36 @@ class Gemm:
         return out
 
 
+class NativeLayers:
+    """All decoder layers of one bf16 forward in one call (``csrc/layers.cpp``): the kernels of
+    ``LlamaModel._layers_fused`` in the same order, without the Python loop around them."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        self._fn = lib.kvseal_layers_bf16
+        f32 = ctypes.c_float
+        self._fn.argtypes = [_PTR, _I64, _PTR, *[_I64] * 6, f32, f32, *[_PTR] * 5, _I64, _I64, _PTR, _PTR, _I64, _I64,
+                             _PTR, *[_PTR] * 6, _PTR]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, cfg: object, scale: float, cos: torch.Tensor,
+                 sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+                 dec_pages: torch.Tensor | None, dec_lens: torch.Tensor | None, spans: torch.Tensor,
+                 times: ctypes.Array) -> None:
+        """Runs the layers over ``x [n, hidden]`` in place (the residual stream after the last layer)."""
+        n, hidden = x.shape
+        heads, kvh, dim, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        bufs = [torch.empty((n, w), dtype=torch.bfloat16)
+                for w in (hidden, (heads + 2 * kvh) * dim, heads * dim, hidden, 2 * inter, inter)]
+        n_dec = 0 if dec_pages is None else dec_pages.shape[0]
+        ok = self._fn(x.data_ptr(), n, weights.data_ptr(), weights.shape[0], hidden, heads, kvh, dim, inter,
+                      cfg.rms_eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                      kv.data_ptr(), kv.shape[4], n_dec, None if n_dec == 0 else dec_pages.data_ptr(),
+                      None if n_dec == 0 else dec_lens.data_ptr(), 0 if n_dec == 0 else dec_pages.shape[1],
+                      spans.shape[0], spans.data_ptr(), *[t.data_ptr() for t in bufs], times)
+        assert ok, "native layers called with a prefill chunk the kernel does not take"
+
+
 def kernels_enabled() -> bool:
     return os.environ.get("KVSEAL_KERNELS", "on") != "off" and library_path() is not None
 
@@ -172,6 +206,10 @@ def load_decode_kernel(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
 def load_gemm() -> Gemm | None:
     """The bf16 GEMM if it was built (bf16 weights then skip oneDNN), else None."""
     return Gemm(library_path()) if kernels_enabled() else None
+
+
+def load_native_layers() -> NativeLayers | None:
+    return NativeLayers(library_path()) if kernels_enabled() else None
 
 
 def load_fused_ops(head_dim: int, dtype: torch.dtype) -> FusedOps | None:

@@ -11,6 +11,7 @@ greedy tokens match transformers in the same dtype.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from kvseal.config import ModelConfig
 from kvseal.model.attention import DecodeRows, PagedAttention, Span, scatter_kv, write_rows
-from kvseal.model.kernels import load_decode_kernel, load_fused_ops
+from kvseal.model.kernels import load_decode_kernel, load_fused_ops, load_native_layers
 from kvseal.model.quant import Linear
 
 
@@ -95,12 +96,14 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(cfg, dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.use_weights("bf16")
         self.last_times = (0.0, 0.0)
         # the in-place paged decode kernel when it was built (None: the plain PyTorch reference)
         self.decode_kernel = load_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
         # the fused norm / rope+store / silu ops when they were built (None: the plain PyTorch ops)
         self.fused = load_fused_ops(cfg.head_dim, dtype)
+        # the whole layer loop in one native call, when every piece of it is native (bf16 only)
+        self.native = load_native_layers() if dtype == torch.bfloat16 else None
+        self.use_weights("bf16")
 
     def use_weights(self, mode: str, small_rows: int = 8) -> None:
         """Pick the linear layers' kernels (``kvseal.model.quant``): bf16, or int8/int4 for steps of at most
@@ -108,19 +111,59 @@ class LlamaModel:
         def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
             return Linear(w, b, mode, small_rows)
 
-        self.weights_mode = mode
+        self.weights_mode, self.small_rows = mode, small_rows
         self.lin = [LayerLinears(lin(x.wqkv, x.bqkv), lin(x.wo), lin(x.w_gate_up), lin(x.w_down))
                     for x in self.w.layers]
+        self.native_table = self._native_table()
         # the (tied) embedding is not a 4-bit tensor in GGUF files: int4 there costs real accuracy, int8 not
         self.head = Linear(self.w.lm_head, None, "int8" if mode == "int4" else mode, small_rows)
+
+    def _native_table(self) -> torch.Tensor | None:
+        """Per layer, pointers to its norms and packed weights for ``NativeLayers`` (None: some linear layer
+        or norm is not in the native GEMM's form)."""
+        if self.native is None or self.fused is None or self.decode_kernel is None:
+            return None
+        rows = []
+        for layer, lin in zip(self.w.layers, self.lin):
+            linears = (lin.qkv, lin.o, lin.gate_up, lin.down)
+            norms = (layer.attn_norm, layer.mlp_norm)
+            if any(x.gemm is None for x in linears) or any(not t.is_contiguous() or t.dtype != self.dtype
+                                                          for t in norms):
+                return None
+            rows.append([layer.attn_norm.data_ptr(), lin.qkv.packed.data_ptr(), lin.o.packed.data_ptr(),
+                         layer.mlp_norm.data_ptr(), lin.gate_up.packed.data_ptr(), lin.down.packed.data_ptr()])
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def _goes_native(self, kv: torch.Tensor, b: ForwardBatch) -> bool:
+        """Can this batch run the native layer loop: every op it needs has its kernel and the linear layers use
+        the bf16 GEMM at this row count (int8/int4 modes take their own kernels for small steps)."""
+        cfg, k = self.cfg, self.decode_kernel
+        return (self.native_table is not None and self.native is not None and self.fused is not None
+                and k is not None and kv.dtype == self.dtype and k.fits(kv)
+                and (self.weights_mode == "bf16" or b.input_ids.shape[0] > self.small_rows)
+                and (not b.spans or k.prefill_takes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv)))
+
+    def _layers_native(self, kv: torch.Tensor, b: ForwardBatch, x: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+        spans = torch.tensor([[s.start, s.n, s.pos0, s.pages.data_ptr()] for s in b.spans], dtype=torch.int64)
+        spans = spans.view(-1, 4)
+        assert all(s.pages.dtype == torch.int64 and s.pages.is_contiguous() for s in b.spans)
+        times = (ctypes.c_double * 2)()
+        d = b.decode
+        self.native(x, self.native_table, self.cfg, self.cfg.head_dim**-0.5, self.cos, self.sin,
+                    b.positions.contiguous(), b.write_slots.contiguous(), kv, None if d is None else d.pages.contiguous(),
+                    None if d is None else d.lens.contiguous(), spans, times)
+        return x, times[0], times[1]
 
     @torch.inference_mode()
     def forward(self, kv: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         """Returns fp32 logits [B, vocab] for ``b.logits_index``; writes this step's K/V into ``kv``."""
         x = F.embedding(b.input_ids, self.w.embed)  # [N, hidden]
-        attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel)
-        layers = self._layers if self.fused is None else self._layers_fused
-        x, t_lin, t_att = layers(kv, b, x, attend)
+        if self._goes_native(kv, b):
+            x, t_lin, t_att = self._layers_native(kv, b, x)
+        else:
+            attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel)
+            layers = self._layers if self.fused is None else self._layers_fused
+            x, t_lin, t_att = layers(kv, b, x, attend)
         last = x.index_select(0, b.logits_index)
         t0 = time.perf_counter()
         logits = self.head(rms_norm(last, self.w.norm, self.cfg.rms_eps)).float()
