@@ -37,15 +37,12 @@ class Runner:
         self.ps = pool.cfg.page_size
 
     def tag_check(self, seqs: list[Sequence]) -> list[bool]:
-        n_pages = max(len(s.run.pages) for s in seqs)
-        table = torch.zeros((len(seqs), n_pages), dtype=torch.int64)
-        gens = torch.zeros_like(table)
-        valid = torch.zeros((len(seqs), n_pages), dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            n = len(s.run.pages)
-            table[i, :n] = torch.tensor(s.run.pages)
-            gens[i, :n] = torch.tensor(s.run.generations)
-            valid[i, :n] = True
+        lens = [len(s.run.pages) for s in seqs]
+        n_pages = max(lens)
+        table = torch.tensor([[*s.run.pages, *[0] * (n_pages - n)] for s, n in zip(seqs, lens)], dtype=torch.int64)
+        gens = torch.tensor([[*s.run.generations, *[0] * (n_pages - n)] for s, n in zip(seqs, lens)],
+                            dtype=torch.int64)
+        valid = torch.arange(n_pages)[None, :] < torch.tensor(lens)[:, None]
         owners = torch.tensor([s.rid for s in seqs], dtype=torch.int64)
         groups = torch.tensor([NO_GROUP if s.group is None else s.group for s in seqs], dtype=torch.int64)
         spaces = torch.tensor([NO_GROUP if s.space is None else s.space for s in seqs], dtype=torch.int64)
@@ -71,27 +68,26 @@ class Runner:
         ps = self.ps
         ids: list[int] = []
         pos: list[int] = []
-        tables: list[torch.Tensor] = []
+        tables: list[tuple[int, ...]] = []
         for s, n in batch:
             ids += s.tokens[s.num_cached: s.num_cached + n]
             pos += range(s.num_cached, s.num_cached + n)
-            tables.append(torch.tensor(s.run.pages[: -(-(s.num_cached + n) // ps)], dtype=torch.int64))
+            tables.append(s.run.pages[: -(-(s.num_cached + n) // ps)])
         positions = torch.tensor(pos, dtype=torch.int64)
-        flat = torch.cat(tables)
-        offsets = torch.tensor([0] + [len(t) for t in tables[:-1]]).cumsum(0)
+        widths = [len(t) for t in tables]
+        flat = torch.tensor([p for t in tables for p in t], dtype=torch.int64)
+        offsets = torch.tensor([0] + widths[:-1]).cumsum(0)
         row_seq = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([n for _, n in batch]))
         write_slots = flat[offsets[row_seq] + positions // ps] * ps + positions % ps
         n_dec = sum(1 for _, n in batch if n == 1)
         decode = None
         if n_dec:
-            width = max(len(t) for t in tables[:n_dec])
-            pages = torch.zeros((n_dec, width), dtype=torch.int64)
-            for i, t in enumerate(tables[:n_dec]):
-                pages[i, : len(t)] = t
+            width = max(widths[:n_dec])
+            pages = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables[:n_dec]], dtype=torch.int64)
             decode = DecodeRows(pages, positions[:n_dec] + 1)
         spans, start = [], n_dec
         for (s, n), t in zip(batch[n_dec:], tables[n_dec:]):
-            spans.append(Span(start, n, s.num_cached, t))
+            spans.append(Span(start, n, s.num_cached, torch.tensor(t, dtype=torch.int64)))
             start += n
         ends = torch.tensor([n for _, n in batch]).cumsum(0) - 1
         return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.int64),
