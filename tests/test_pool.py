@@ -154,3 +154,17 @@ def test_a_dead_decode_workers_pool_file_is_swept(tmp_path):
     alive.write_bytes(b"x")
     assert sweep_orphans(tmp_path) == [orphan]
     assert alive.exists() and not orphan.exists()
+
+
+def test_the_pool_asks_for_huge_pages_where_the_kernel_offers_them():
+    """A pool of its own memory is madvised for transparent huge pages before first touch (a hint: where THP
+    is off, nothing changes)."""
+    from pathlib import Path
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages on this kernel")
+    from kvseal.hugepages import advise_huge
+    t = torch.empty(8 << 20, dtype=torch.uint8)
+    assert advise_huge(t)
+    assert not advise_huge(torch.empty(1 << 20, dtype=torch.uint8))  # under 4 MB: not worth a hint
