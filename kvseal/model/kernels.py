@@ -48,7 +48,7 @@ class DecodeKernel:
     def prefill_fits(self, q: torch.Tensor, kv: torch.Tensor) -> bool:
         """Whether ``prefill`` takes this shape (bf16, 16-slot pages, AVX-512 BF16 on this CPU, ...)."""
         _, heads, dim = q.shape
-        return q.dtype == kv.dtype == torch.bfloat16 and bool(self._prefill_supported(heads, kv.shape[3], dim, kv.shape[4]))
+        return q.dtype == kv.dtype and self.prefill_takes(heads, kv.shape[3], dim, kv)
 
     def prefill_takes(self, heads: int, kv_heads: int, dim: int, kv: torch.Tensor) -> bool:
         """``prefill_fits`` for a query of ``heads`` x ``dim`` in the model's dtype."""
@@ -131,7 +131,8 @@ class FusedOps:
 
 
 class Gemm:
-    """bf16 ``y = x @ W.T`` with ``W`` packed once (``pack``); bit-identical to PyTorch's bf16 linear here."""
+    """bf16 ``y = x @ W.T`` with ``W`` packed once (``pack``): ``F.linear``'s fp32 sum rounded once (a rare element
+    one bf16 step away), batch invariant."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)

@@ -1,7 +1,8 @@
 """Linear layers with the weight kernel chosen per step: bf16, or weight-only int8 / int4 for small batches.
 
 ``--weights bf16`` runs bf16 weights through the project's GEMM (``csrc/gemm.cpp``, packed once at load),
-which computes what ``F.linear`` computes here bit for bit, hands its work out dynamically (a core that
+which computes what ``F.linear`` computes (the same fp32 sum rounded once; a rare element lands one bf16
+step away) and gives a row the same result whatever shares its step, hands its work out dynamically (a core that
 another process borrows for a moment does not hold up the other), and streams weights faster for few rows.
 Where it is not built or does not fit (no AVX-512 BF16, a bias, odd shapes, ``KVSEAL_KERNELS=off``), the
 weight is prepacked once for oneDNN (``mkldnn._reorder_linear_weight``): the same arithmetic as

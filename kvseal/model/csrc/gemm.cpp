@@ -4,9 +4,10 @@
 // features (2k, 2k + 1), the 16 columns' two weights side by side, which is the operand vdpbf16ps takes.
 // One task is a panel of up to 3 blocks (48 columns) for all rows, in chunks of 8 rows: 24 accumulators,
 // 3 weight loads and 8 broadcast rows per pair of features. Each output sums its K products in order,
-// two at a time, in fp32, and is rounded once to bf16: what PyTorch's oneDNN path computes on this CPU, bit
-// for bit (tests/test_quant.py), and the same whatever the number of rows (a row's result does not depend on
-// what shares its step).
+// two at a time, in fp32, and is rounded once to bf16: what F.linear computes, except that oneDNN orders some
+// sums differently, so a rare element (2e-5 to 2e-3 of them) lands one bf16 step away (tests/test_quant.py).
+// The result is the same whatever the number of rows (a row's result does not depend on what shares its
+// step), which oneDNN does not guarantee.
 //
 // Why not oneDNN: it splits each GEMM into a fixed share per thread, so when another process (an HTTP
 // thread, a client) takes one core for a moment, the other core waits at the end of every GEMM. Panels are
