@@ -135,10 +135,11 @@ def _teacher_forced(model, prompt: list[int], cont: list[int], first_chunk: int)
     return torch.stack(out)
 
 
-def test_the_native_forward_gives_the_reference_logits(bf16_model):
+def test_the_native_forward_gives_the_reference_logits(bf16_model, fp32_model):
     """The real model, bf16: with the kernels (prefill and decode attention, fused ops) and with the plain
-    PyTorch ops, teacher-forced along the reference's greedy path, the logits stay within bf16 noise (a few
-    bf16 steps at logits of 10-35: sums run in other orders, as between any two implementations) and the
+    PyTorch ops, teacher-forced along the reference's greedy path, the logits stay within bf16 noise (each
+    path lies ~1 from fp32 at logits of 10-35: sums run in other orders and both round attention's
+    probabilities, in different places), the kernels' path is no further from fp32 than the plain one, and the
     greedy choice is the same wherever the reference's margin is not a near-tie. A short prompt and a long one,
     each prefilled in two chunks, then 16 decode steps."""
     model = bf16_model.model
@@ -156,7 +157,9 @@ def test_the_native_forward_gives_the_reference_logits(bf16_model):
         finally:
             model.fused, model.decode_kernel = native
         got = _teacher_forced(model, prompt, cont, first)
-        assert (got - ref).abs().max() <= 1.0, text[:30]
+        exact = _teacher_forced(fp32_model.model, prompt, cont, first)
+        assert (got - ref).abs().max() <= 2.0, text[:30]
+        assert (got - exact).abs().mean() <= 1.05 * (ref - exact).abs().mean(), text[:30]
         top = ref.topk(2, dim=-1).values
         clear = (top[:, 0] - top[:, 1]) >= 0.5
         assert clear.sum() >= 8 and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear]), text[:30]
@@ -187,9 +190,10 @@ def test_prefill_kernel_matches_reference(kernel, heads, kv_heads, dim, pos0, n)
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_prefill_kernel_is_as_accurate_as_fp32_attention_rounded_once(kernel):
-    """Against attention computed in fp32 from the same bf16 inputs, the kernel's error is that of rounding
-    the fp32 result to bf16 once, and no larger than bf16 SDPA's (which rounds its probabilities)."""
+def test_prefill_kernel_is_as_accurate_as_bf16_sdpa(kernel):
+    """Against attention computed in fp32 from the same bf16 inputs, the kernel's error is no larger than bf16
+    SDPA's: both round the probabilities to bf16 for P.V (measured: 1.09x and 1.12x the error of rounding the
+    fp32 result once)."""
     from kvseal.model.attention import Span, _chunk_mask
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, page, n = 9, 3, 64, 16, 465
@@ -211,7 +215,7 @@ def test_prefill_kernel_is_as_accurate_as_fp32_attention_rounded_once(kernel):
     err_kernel = (kernel.prefill(q, kv, 0, pages, 0).float() - exact).abs().mean()
     err_rounded = (exact.to(torch.bfloat16).float() - exact).abs().mean()
     err_sdpa = (sdpa(q, ks, vs) - exact).abs().mean()
-    assert err_kernel <= 1.02 * err_rounded and err_kernel <= err_sdpa
+    assert err_kernel <= 1.15 * err_rounded and err_kernel <= err_sdpa
 
 
 def test_the_native_layer_loop_equals_the_python_one(bf16_model):
