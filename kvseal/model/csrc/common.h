@@ -48,6 +48,21 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
+// 16 fp32 values rounded to bf16 exactly as from_f32 rounds them (nearest even, NaN kept NaN), as bf16 bit
+// patterns in the high halves of the lanes (the low halves zero): the fp32 value of the rounded bf16
+inline __m512i round_bf16_16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i q = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));  // NaN: quiet, not rounded
+  return _mm512_and_si512(q, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+// ... and stored as 16 bf16
+inline void store_bf16_16(uint16_t* dst, __m512i rounded) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
 // 16 bf16 values widened to fp32 (exact)
 inline __m512 widen16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 inline __m512 widen16(const uint16_t* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }

@@ -59,8 +59,8 @@ void fast_task(const uint16_t* q, const uint16_t* kv, const int64_t* pages, int6
   for (int64_t p = 0; p < AHEAD - 1 && (p + 1) * P < len; ++p) {  // the pages before the first prefetched one
     const char* nk = reinterpret_cast<const char*>(kv + pages[p + 1] * page_stride + head_off);
     for (int i = 0; i < P * D * 2; i += 64) {
-      _mm_prefetch(nk + i, _MM_HINT_T0);
-      _mm_prefetch(nk + v_off * 2 + i, _MM_HINT_T0);
+      _mm_prefetch(nk + i, _MM_HINT_T1);
+      _mm_prefetch(nk + v_off * 2 + i, _MM_HINT_T1);
     }
   }
   for (int64_t p = 0; p * P < len; ++p) {
@@ -70,8 +70,8 @@ void fast_task(const uint16_t* q, const uint16_t* kv, const int64_t* pages, int6
     if ((p + AHEAD) * P < len) {
       const char* nk = reinterpret_cast<const char*>(kv + pages[p + AHEAD] * page_stride + head_off);
       for (int i = 0; i < P * D * 2; i += 64) {
-        _mm_prefetch(nk + i, _MM_HINT_T0);
-        _mm_prefetch(nk + v_off * 2 + i, _MM_HINT_T0);
+        _mm_prefetch(nk + i, _MM_HINT_T1);
+        _mm_prefetch(nk + v_off * 2 + i, _MM_HINT_T1);
       }
     }
     // keys: u[c][i][k] lane (L, r) = key 4i + r, dword 4L + k of chunk c (slots >= n hold whatever the page

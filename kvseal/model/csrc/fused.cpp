@@ -43,7 +43,29 @@ void rope_store(T* qkv, int64_t n, int64_t row_stride, int64_t heads, int64_t kv
     const T* c = cos + positions[i] * dim;
     const T* s = sin + positions[i] * dim;
     float tmp[512];
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+    int64_t h = 0;
+#if defined(__AVX512F__)
+    // bf16 with dim a multiple of 32: 16 dimensions at a time, the partner (roll by dim / 2) a whole vector
+    // away, each step rounded as the scalar loop below rounds it
+    if constexpr (sizeof(T) == 2) {
+      if (dim % 32 == 0 && dim <= 256) {
+        const int64_t nb = dim / 16, hb = nb / 2;
+        const auto* cb = reinterpret_cast<const uint16_t*>(c);
+        const auto* sb = reinterpret_cast<const uint16_t*>(s);
+        for (; h < heads + kv_heads; ++h) {
+          auto* x = reinterpret_cast<uint16_t*>(row + h * dim);
+          __m512 xv[16];
+          for (int64_t j = 0; j < nb; ++j) xv[j] = widen16(x + 16 * j);
+          for (int64_t j = 0; j < nb; ++j) {
+            const __m512i a = round_bf16_16(_mm512_mul_ps(xv[j], widen16(cb + 16 * j)));
+            const __m512i b = round_bf16_16(_mm512_mul_ps(xv[(j + hb) % nb], widen16(sb + 16 * j)));
+            store_bf16_16(x + 16 * j, round_bf16_16(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b))));
+          }
+        }
+      }
+    }
+#endif
+    for (; h < heads + kv_heads; ++h) {
       T* x = row + h * dim;
       for (int64_t d = 0; d < dim; ++d) tmp[d] = to_f32(x[d]);
       for (int64_t d = 0; d < dim; ++d) {
