@@ -82,6 +82,24 @@ def test_bf16_linear_equals_f_linear_and_ignores_batch_size():
             assert torch.equal(native(x[rows:2 * rows]), full[rows:2 * rows])
 
 
+def test_gate_up_gemm_with_silu_equals_gemm_then_silu_mul():
+    """The gate/up GEMM with SiLU(gate) * up in its epilogue (what the native layer loop runs) gives the bits
+    of the GEMM followed by the fused silu_mul, for every row-count remainder and an odd number of blocks."""
+    from kvseal.model.kernels import FusedOps, library_path, load_gemm
+    gemm = load_gemm()
+    if gemm is None:
+        pytest.skip("no native GEMM on this CPU (AVX-512 BF16) or KVSEAL_KERNELS=off")
+    gen = torch.Generator().manual_seed(4)
+    silu_mul = FusedOps(library_path(), torch.bfloat16).silu_mul
+    for inter, k in ((1536, 576), (80, 64)):
+        w = (0.05 * torch.randn(2 * inter, k, generator=gen)).to(torch.bfloat16)
+        assert gemm.silu_fits(w)
+        packed = gemm.pack(w)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64):
+            x = (2 * torch.randn(rows, k, generator=gen)).to(torch.bfloat16)
+            assert torch.equal(gemm.silu(x, packed, inter), silu_mul(gemm(x, packed, 2 * inter))), (inter, rows)
+
+
 _THREADS_SCRIPT = """
 import os, sys
 import torch

@@ -142,6 +142,10 @@ class Gemm:
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
         self._gemm = lib.kvseal_gemm_bf16
         self._gemm.argtypes, self._gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
+        self._silu_supported = lib.kvseal_gemm_silu_supported
+        self._silu_supported.argtypes, self._silu_supported.restype = [_I64, _I64], ctypes.c_int
+        self._silu = lib.kvseal_gemm_silu_bf16
+        self._silu.argtypes, self._silu.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
 
     def fits(self, w: torch.Tensor) -> bool:
         return w.dtype == torch.bfloat16 and w.dim() == 2 and bool(self._supported(*w.shape))
@@ -159,6 +163,19 @@ class Gemm:
         assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == n * k
         out = torch.empty((m, n), dtype=torch.bfloat16)
         self._gemm(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, out.data_ptr())
+        return out
+
+    def silu_fits(self, w: torch.Tensor) -> bool:
+        """Can ``silu`` take this ``[gate; up]`` weight ``[2 inter, K]``."""
+        return self.fits(w) and bool(self._silu_supported(w.shape[0] // 2, w.shape[1]))
+
+    def silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+        """``silu(gate) * up`` of ``x @ [gate; up].T`` (weight packed by ``pack``), rounded as ``self(x)`` and then
+        ``FusedOps.silu_mul`` round: the same bits, without the ``[M, 2 inter]`` product in memory."""
+        m, k = x.shape
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == 2 * inter * k
+        out = torch.empty((m, inter), dtype=torch.bfloat16)
+        self._silu(x.data_ptr(), x.stride(0), m, packed.data_ptr(), inter, k, out.data_ptr())
         return out
 
 

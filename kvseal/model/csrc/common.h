@@ -67,6 +67,16 @@ inline void store_bf16_16(uint16_t* dst, __m512i rounded) {
 inline __m512 widen16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 inline __m512 widen16(const uint16_t* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
+// SiLU(gate) * up for 16 bf16 values of each, widened: round(round(silu(gate)) * up) as 16 bf16, rounded as
+// F.silu(gate) * up rounds (fused.cpp's silu_mul, and the gate/up GEMM's fused epilogue in gemm.cpp)
+#if defined(__AVX512BF16__)
+inline __m256i silu_mul16(__m512 gv, __m512 uv) {
+  const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+  const __m512 sr = widen16((__m256i)_mm512_cvtneps_pbh(sv));  // rounded to bf16, as F.silu's output is
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, uv));
+}
+#endif
+
 inline void exp_shifted(float* x, int64_t n, float shift) {
   const __m512 sh = _mm512_set1_ps(shift);
   for (int64_t i = 0; i < n; i += 16) {

@@ -97,9 +97,7 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
       for (; d + 16 <= inter; d += 16) {
         const __m512 gv = widen16(reinterpret_cast<const uint16_t*>(g + d));
         const __m512 uv = widen16(reinterpret_cast<const uint16_t*>(u + d));
-        const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        const __m512 sr = widen16((__m256i)_mm512_cvtneps_pbh(sv));  // rounded to bf16, as F.silu's output is
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, uv)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), silu_mul16(gv, uv));
       }
     } else {
       for (; d + 16 <= inter; d += 16) {

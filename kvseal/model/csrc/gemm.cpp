@@ -59,6 +59,59 @@ void panel(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* wp, int64_
     default: break;
   }
 }
+
+// The gate/up projection with SiLU(gate) * up in its epilogue: each task takes NB blocks of gate columns and
+// the same NB blocks of up columns (block j of the gate half pairs with block j of the up half), 6 rows at a
+// time (6 x 2NB accumulators), and writes round(round(silu(g)) * u) where g and u are the outputs the plain
+// GEMM would store, rounded the same way: the result equals gemm + silu_mul bit for bit, without writing and
+// re-reading the [rows, 2 * inter] product.
+template <int R, int NB>
+inline void micro_silu(const uint16_t* x, int64_t ldx, const uint16_t* wg, const uint16_t* wu, int64_t pairs,
+                       int64_t block, uint16_t* out, int64_t ldo) {
+  __m512 g[R][NB], u[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) g[r][j] = u[r][j] = _mm512_setzero_ps();
+  const uint32_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const uint32_t*>(x + r * ldx);
+  for (int64_t k = 0; k < pairs; ++k) {
+    __m512bh a[NB], b[NB];
+    for (int j = 0; j < NB; ++j) {
+      a[j] = (__m512bh)_mm512_load_si512(wg + j * block + k * 32);
+      b[j] = (__m512bh)_mm512_load_si512(wu + j * block + k * 32);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][k]));
+      for (int j = 0; j < NB; ++j) {
+        g[r][j] = _mm512_dpbf16_ps(g[r][j], xb, a[j]);
+        u[r][j] = _mm512_dpbf16_ps(u[r][j], xb, b[j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      const __m512 gv = kvseal::widen16((__m256i)_mm512_cvtneps_pbh(g[r][j]));
+      const __m512 uv = kvseal::widen16((__m256i)_mm512_cvtneps_pbh(u[r][j]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + 16 * j), kvseal::silu_mul16(gv, uv));
+    }
+}
+
+template <int NB>
+void panel_silu(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* wg, const uint16_t* wu, int64_t pairs,
+                uint16_t* out, int64_t ldo) {
+  const int64_t block = pairs * 32;
+  int64_t i = 0;
+  for (; i + 6 <= m; i += 6) micro_silu<6, NB>(x + i * ldx, ldx, wg, wu, pairs, block, out + i * ldo, ldo);
+  const uint16_t* xi = x + i * ldx;
+  uint16_t* oi = out + i * ldo;
+  switch (m - i) {
+    case 1: micro_silu<1, NB>(xi, ldx, wg, wu, pairs, block, oi, ldo); break;
+    case 2: micro_silu<2, NB>(xi, ldx, wg, wu, pairs, block, oi, ldo); break;
+    case 3: micro_silu<3, NB>(xi, ldx, wg, wu, pairs, block, oi, ldo); break;
+    case 4: micro_silu<4, NB>(xi, ldx, wg, wu, pairs, block, oi, ldo); break;
+    case 5: micro_silu<5, NB>(xi, ldx, wg, wu, pairs, block, oi, ldo); break;
+    default: break;
+  }
+}
 #endif
 }  // namespace
 
@@ -106,6 +159,36 @@ void kvseal_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t*
   }
 #else
   (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
+#endif
+}
+
+// act [m, inter] = silu(x @ Wg.T) * (x @ Wu.T), rounded as gemm then silu_mul round, where the packed weight
+// (kvseal_gemm_pack_bf16) is [gate; up], [2 inter, k]. Needs inter a multiple of 16 (kvseal_gemm_silu_supported).
+int kvseal_gemm_silu_supported(int64_t inter, int64_t k) {
+#if defined(__AVX512BF16__)
+  return inter > 0 && k > 0 && inter % 16 == 0 && k % 2 == 0;
+#else
+  (void)inter, (void)k;
+  return 0;
+#endif
+}
+
+void kvseal_gemm_silu_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t inter,
+                           int64_t k, uint16_t* out) {
+#if defined(__AVX512BF16__)
+  const int64_t blocks = inter / 16, panels = (blocks + 1) / 2, pairs = k / 2;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t b0 = 2 * p;
+    const uint16_t* wg = packed + b0 * pairs * 32;
+    const uint16_t* wu = packed + (blocks + b0) * pairs * 32;
+    if (blocks - b0 >= 2)
+      panel_silu<2>(x, ldx, m, wg, wu, pairs, out + b0 * 16, inter);
+    else
+      panel_silu<1>(x, ldx, m, wg, wu, pairs, out + b0 * 16, inter);
+  }
+#else
+  (void)x, (void)ldx, (void)m, (void)packed, (void)inter, (void)k, (void)out;
 #endif
 }
 

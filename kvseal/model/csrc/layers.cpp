@@ -1,5 +1,6 @@
 // The decoder layers of one forward in one call: the same kernels, in the same order, as
-// kvseal.model.llama.LlamaModel._layers_fused, so the result is bit for bit the same. The Python loop made
+// kvseal.model.llama.LlamaModel._layers_fused, so the result is bit for bit the same. One difference in form:
+// the gate/up GEMM and SiLU * up are one kernel here (kvseal_gemm_silu_bf16, the same bits as the two). The Python loop made
 // about ten calls per layer (ctypes, tensor allocations, argument checks), 10-15 us each: ~4 ms of a 32-stream
 // step and a quarter of a batch-1 step, with one core working and the other waiting. Here the loop runs in
 // C++ and only the kernels' own OpenMP regions remain.
@@ -16,6 +17,9 @@ void kvseal_rope_store_bf16(uint16_t* qkv, int64_t n, int64_t row_stride, int64_
 void kvseal_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t n, int64_t inter);
 void kvseal_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k,
                       uint16_t* out);
+int kvseal_gemm_silu_supported(int64_t inter, int64_t k);
+void kvseal_gemm_silu_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t inter,
+                           int64_t k, uint16_t* out);
 void kvseal_decode_attention_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_t* kv, uint16_t* out,
                                   const int64_t* pages, const int64_t* lens, int64_t batch, int64_t max_pages,
                                   int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size,
@@ -43,6 +47,7 @@ int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t l
   double t_lin = 0, t_att = 0;
   auto secs = [](clock::time_point a0, clock::time_point a1) { return std::chrono::duration<double>(a1 - a0).count(); };
   const uint16_t* delta = nullptr;  // the last layer's output, not yet added to x
+  const bool fuse_silu = kvseal_gemm_silu_supported(inter, hidden) != 0;
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t* w = weights + 6 * i;
     const auto* attn_norm = reinterpret_cast<const uint16_t*>(w[0]);
@@ -68,10 +73,14 @@ int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t l
     auto t4 = clock::now();
     kvseal_add_rms_norm_bf16(x, o, mlp_norm, h, n, hidden, eps);
     auto t5 = clock::now();
-    kvseal_gemm_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[4]), 2 * inter, hidden, gu);
+    if (fuse_silu) {  // the same values as the two calls below, without the [n, 2 inter] product in memory
+      kvseal_gemm_silu_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[4]), inter, hidden, act);
+    } else {
+      kvseal_gemm_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[4]), 2 * inter, hidden, gu);
+      kvseal_silu_mul_bf16(gu, act, n, inter);
+    }
     auto t6 = clock::now();
-    kvseal_silu_mul_bf16(gu, act, n, inter);
-    auto t7 = clock::now();
+    auto t7 = t6;
     kvseal_gemm_bf16(act, inter, n, reinterpret_cast<const uint16_t*>(w[5]), hidden, inter, o);
     t_lin += secs(t0, t1) + secs(t3, t4) + secs(t5, t6) + secs(t7, clock::now());
     t_att += secs(t2, t3);
