@@ -156,15 +156,17 @@ def test_a_dead_decode_workers_pool_file_is_swept(tmp_path):
     assert alive.exists() and not orphan.exists()
 
 
-def test_the_pool_asks_for_huge_pages_where_the_kernel_offers_them():
-    """A pool of its own memory is madvised for transparent huge pages before first touch (a hint: where THP
-    is off, nothing changes)."""
-    from pathlib import Path
+def test_the_pool_is_faulted_in_at_startup_and_populate_keeps_contents():
+    """A new pool's memory is faulted in when it is made, so writing all of it afterwards takes (almost) no page
+    faults; populating memory that already holds data leaves the data as it is."""
+    import resource
 
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("no transparent huge pages on this kernel")
-    from kvseal.hugepages import advise_huge
-    t = torch.empty(8 << 20, dtype=torch.uint8)
-    assert advise_huge(t)
-    assert not advise_huge(torch.empty(1 << 20, dtype=torch.uint8))  # under 4 MB: not worth a hint
+    from kvseal.memory import populate
+    t = torch.arange(1 << 20, dtype=torch.int32)
+    if not populate(t):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14+")
+    assert torch.equal(t, torch.arange(1 << 20, dtype=torch.int32))
+    pool = PagePool(PoolConfig(num_pages=256), 30, 3, 64, torch.bfloat16)  # 90 MB, ~23k pages of 4 KB
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    pool.kv.fill_(1)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000

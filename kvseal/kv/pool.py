@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from kvseal.config import PoolConfig
-from kvseal.hugepages import advise_huge
+from kvseal.memory import populate
 
 
 class PageState(IntEnum):
@@ -82,7 +82,7 @@ class PagePool:
         shape = kv_shape(cfg, num_layers, kv_heads, head_dim)
         if storage is None:
             storage = torch.empty(shape, dtype=dtype)
-            advise_huge(storage)  # scattered page reads: 2 MB pages spare a TLB miss per read
+        populate(storage)  # page faults now, not in the first requests' forwards (kvseal.memory)
         if tuple(storage.shape) != shape or storage.dtype != dtype:
             raise ValueError(f"pool storage {tuple(storage.shape)}/{storage.dtype} != {shape}/{dtype}")
         self.kv = storage
