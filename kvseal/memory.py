@@ -4,8 +4,9 @@ A page of a fresh mapping costs a page fault at its first write: the kernel allo
 VM the host may have to back it too). Left to the first requests, those faults land inside the forward's K/V
 stores: measured here, a fresh server's first 32 prompts of ~850 tokens spent 3.7 s of a 28 s run in them,
 and steps varied 2x from run to run with the host's state. ``populate`` takes them all at startup
-(``MADV_POPULATE_WRITE``, Linux 5.14+), leaving the contents as they are (so a process that maps a pool
-another one already writes can use it too). 1.5 GiB took 1.3 s here.
+(``MADV_POPULATE_WRITE``, Linux 5.14+), leaving the contents as they are. 1.5 GiB took 1.3 s here. A
+prefill worker's mapping of a decode pool (the shm transport) is left to fault lazily: its pages exist
+already, so each fault is cheap, and populating all of them at the first transfer cost that request 0.4 s.
 
 Transparent huge pages were tried and dropped: decode attention over scattered pages read no faster with them
 in an A/B run (10.1-10.4 GB/s with 2 MB pages, 9.9-11.0 with 4 KB ones), and faulting 2 MB pages in cost 5x

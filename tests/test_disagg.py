@@ -97,3 +97,33 @@ def test_client_gone_before_first_token_stops_decode(disagg):
             pass
     time.sleep(1)
     wait_pages_back(disagg, timeout=20)
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_sigterm_to_serve_alone_stops_its_workers():
+    """`kill PID` of `kvseal serve` (as a container stop sends it) takes its router and workers down with it:
+    none is left orphaned, holding its port and pool."""
+    s = Server(["serve", "--kv-pool-tokens", "1024", "--allow-pool-below-context"])
+    try:
+        kids = _children(s.proc.pid)
+        assert len(kids) == 3  # prefill, decode, router
+        os.kill(s.proc.pid, signal.SIGTERM)  # the launcher only, not its process group
+        s.proc.wait(30)
+        deadline = time.time() + 20
+        while time.time() < deadline and any(os.path.exists(f"/proc/{k}") for k in kids):
+            time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{k}") for k in kids)
+    finally:
+        s.stop()

@@ -49,6 +49,8 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     secret = ["--cluster-secret-file", str(write_secret_file(private / "cluster-secret"))]
     if a.insecure_no_auth:  # the signing-cost benchmark only (the workers refuse it without KVSEAL_UNSAFE=1)
         secret = ["--insecure-no-auth"]
+    # SIGTERM to this process alone (kill PID, a container's stop) must stop the workers too, not orphan them
+    signal.signal(signal.SIGTERM, _interrupt)
     for role, port in ports.items():
         argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
                 "--transport", a.transport, *secret, *_worker_argv(a)]
@@ -84,6 +86,10 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
         if a.share_cores in (None, "auto"):
             Path(_core_lock_path(a)).unlink(missing_ok=True)
         shutil.rmtree(private, ignore_errors=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _core_lock_path(a: argparse.Namespace) -> str:

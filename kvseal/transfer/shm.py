@@ -16,7 +16,6 @@ import torch
 
 from kvseal.config import ModelConfig, PoolConfig
 from kvseal.kv.pool import kv_shape
-from kvseal.memory import populate
 from kvseal.transfer.runs import chunks
 
 
@@ -77,7 +76,6 @@ class ShmWriter:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"decode pool {path} not found (is decode on this host?)")
             t = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-            populate(t)  # this process's page tables for the whole pool now, not one fault per 4 KB written
             self._maps[path] = t
         return t
 
