@@ -1,6 +1,6 @@
 // The decoder layers of one forward in one call: the same kernels, in the same order, as
-// kvseal.model.llama.LlamaModel._layers_fused, so the result is bit for bit the same. One difference in form:
-// the gate/up GEMM and SiLU * up are one kernel here (kvseal_gemm_silu_bf16, the same bits as the two). The Python loop made
+// kvseal.model.llama.LlamaModel._layers_fused, so the result is bit for bit the same (the gate/up GEMM and
+// SiLU * up are one kernel here, kvseal_gemm_silu_bf16: the same bits as the two). The Python loop made
 // about ten calls per layer (ctypes, tensor allocations, argument checks), 10-15 us each: ~4 ms of a 32-stream
 // step and a quarter of a batch-1 step, with one core working and the other waiting. Here the loop runs in
 // C++ and only the kernels' own OpenMP regions remain.
@@ -79,10 +79,8 @@ int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t l
       kvseal_gemm_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[4]), 2 * inter, hidden, gu);
       kvseal_silu_mul_bf16(gu, act, n, inter);
     }
-    auto t6 = clock::now();
-    auto t7 = t6;
     kvseal_gemm_bf16(act, inter, n, reinterpret_cast<const uint16_t*>(w[5]), hidden, inter, o);
-    t_lin += secs(t0, t1) + secs(t3, t4) + secs(t5, t6) + secs(t7, clock::now());
+    t_lin += secs(t0, t1) + secs(t3, t4) + secs(t5, clock::now());
     t_att += secs(t2, t3);
     delta = o;
   }
