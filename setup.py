@@ -1,13 +1,58 @@
-"""Builds kvseal's native kernels (paged decode attention and the fused per-layer ops: one library with a C ABI,
-loaded with ctypes); all metadata is in pyproject.toml. ``-march=native``: the library is built on the machine
-that runs it, by ``pip install``. ``-ffp-contract=off``: the fused ops round where PyTorch rounds."""
+"""Builds kvseal's native kernels once per instruction-set level (``kvseal/model/_kernels_<level>``: one
+library with a C ABI each, loaded with ctypes; ``kvseal.model.cpu`` picks one at run time from the CPU's
+features). All metadata is in pyproject.toml.
+
+Never ``-march=native``: a library built on one x86-64 machine must load on any other, so each level names
+its instructions (x86-64-v3 for AVX2 + FMA, x86-64-v4 for AVX-512, plus AVX-512 BF16) and ``-mtune=generic``.
+Every level is optional: without a C++ compiler (or one too old for a level's flags) the install still
+succeeds and kvseal runs plain PyTorch or the levels that did build. ``-ffp-contract=off``: the fused ops
+round where PyTorch rounds."""
+
+import os
+import platform
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
-setup(ext_modules=[Extension(
-    "kvseal.model._kernels", ["kvseal/model/csrc/decode_attention.cpp", "kvseal/model/csrc/prefill_attention.cpp",
-                             "kvseal/model/csrc/gemm.cpp", "kvseal/model/csrc/layers.cpp",
-                             "kvseal/model/csrc/fused.cpp"],
-    depends=["kvseal/model/csrc/common.h"], language="c++",
-    extra_compile_args=["-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffp-contract=off"],
-    extra_link_args=["-fopenmp"])])
+SOURCES = ["kvseal/model/csrc/decode_attention.cpp", "kvseal/model/csrc/prefill_attention.cpp",
+           "kvseal/model/csrc/gemm.cpp", "kvseal/model/csrc/layers.cpp", "kvseal/model/csrc/fused.cpp",
+           "kvseal/model/csrc/info.cpp"]
+COMMON = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-mtune=generic"]
+X86_LEVELS = {
+    "generic": ["-march=x86-64"],
+    "avx2": ["-march=x86-64-v3"],
+    "avx512": ["-march=x86-64-v4"],
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+}
+ARM_LEVELS = {"generic": ["-march=armv8-a"]}
+
+
+def levels() -> dict[str, list[str]]:
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return X86_LEVELS
+    if machine in ("aarch64", "arm64"):
+        return ARM_LEVELS
+    return {"generic": []}
+
+
+class PerLevelBuild(build_ext):
+    """The levels compile the same sources with different flags: each gets its own object directory, so one
+    level's objects are never linked into another's library."""
+
+    def build_extension(self, ext: Extension) -> None:
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name.rsplit("_kernels_", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
+
+
+setup(
+    ext_modules=[Extension(f"kvseal.model._kernels_{name}", SOURCES, depends=["kvseal/model/csrc/common.h"],
+                           language="c++", extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"],
+                           define_macros=[("KVSEAL_LEVEL", f'"{name}"')], optional=True)
+                 for name, flags in levels().items()],
+    cmdclass={"build_ext": PerLevelBuild},
+)

@@ -18,13 +18,15 @@ os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec
+from kvseal.model.cpu import LevelError, choice
 
 UNSAFE_FLAGS = {n: f"--unsafe-no-{n.replace('_', '-')}" for n in Protections.NAMES}
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="auto: bf16 where the CPU has bf16 dot products (AVX-512 BF16, AMX, Arm BF16), else fp32")
     p.add_argument("--kv-pool-tokens", type=int, default=None, help="pool size in tokens")
     p.add_argument("--kv-memory", type=float, default=1.5, help="pool memory in GiB (if no --kv-pool-tokens)")
     p.add_argument("--page-size", type=int, default=16)
@@ -34,8 +36,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--step-token-budget", type=int, default=512,
                    help="tokens per engine step (decodes + prefill chunks); bounds every stream's inter-token gap")
-    p.add_argument("--weights", default="bf16", choices=["bf16", "int8", "int4"],
-                   help="linear-layer kernels: bf16, or weight-only int8/int4 for steps of few rows (bf16 above)")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   help="linear-layer weights: bf16 (fp32 models widen them in the GEMM), fp32 (exact, fp32 models), "
+                        "or weight-only int8/int4 for steps of few rows (bf16 above); auto: fp32 with --dtype fp32, "
+                        "else bf16")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--share-cores", default="auto", metavar="LOCKFILE|auto|none",
                    help="time-share the cores with other engines using the same lock file (one forward at a time); "
@@ -134,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--unsafe-no-all", action="store_true", help=argparse.SUPPRESS)
     pf = sub.add_parser("preflight", help="print the pool sizing table without serving")
     pf.add_argument("--model", default=None)
-    pf.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    pf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     pf.add_argument("--memory", type=float, required=True, help="pool memory in GiB")
     pf.add_argument("--context", type=int, default=None)
     pf.add_argument("--page-size", type=int, default=16)
@@ -142,6 +146,10 @@ def parser() -> argparse.ArgumentParser:
     from kvseal.bench import add_args
 
     add_args(b)
+    ev = sub.add_parser("env", help="this machine: CPU, features, the kernel level and dtype kvseal picks, versions")
+    from kvseal import machine
+
+    machine.add_args(ev)
     pr = sub.add_parser("probe", help="isolation check against any OpenAI-compatible server (two tenants' keys)")
     from kvseal import probe
 
@@ -151,6 +159,20 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
+    try:
+        _start(a)
+    except (LevelError, ValueError) as e:  # a forced kernel level this CPU cannot run, flags that cannot go together
+        if a.cmd not in ("serve", "prefill", "decode", "preflight", "env"):
+            raise
+        sys.exit(f"kvseal {a.cmd}: {e}")
+
+
+def _start(a: argparse.Namespace) -> None:
+    if a.cmd in ("serve", "prefill", "decode"):
+        from kvseal.engine.build import resolve
+
+        choice()
+        resolve(worker_spec(a))
     if a.cmd == "serve" and a.colocated:
         from kvseal.server.colocated import serve
 
@@ -182,6 +204,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvseal.probe import run
 
         sys.exit(run(a))
+    elif a.cmd == "env":
+        from kvseal.machine import run
+
+        run(a)
 
 
 def run_preflight(a: argparse.Namespace) -> None:
@@ -193,7 +219,9 @@ def run_preflight(a: argparse.Namespace) -> None:
 
     path = a.model or str(default_model_path())
     cfg = gguf_config(gguf.GGUFReader(path))
-    dtype = DTYPES[a.dtype]
+    from kvseal.model.cpu import resolve_dtype
+
+    dtype = DTYPES[resolve_dtype(a.dtype)[0]]
     tokens = pool_tokens_for(cfg, dtype, int(a.memory * 2**30), a.page_size)
     print(preflight(cfg, dtype, tokens, a.context, allow_below=True).table())
     if tokens < (a.context or cfg.max_context):

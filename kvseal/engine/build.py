@@ -11,20 +11,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from kvseal.config import EngineConfig, PoolConfig, Protections
+from kvseal.config import DTYPES, EngineConfig, PoolConfig, Protections
 from kvseal.engine.engine import Engine
 from kvseal.engine.grammar import Grammars
 from kvseal.kv.pool import PagePool
 from kvseal.kv.preflight import Sizing, pool_tokens_for, preflight
+from kvseal.machine import facts, one_line
+from kvseal.model.cpu import resolve_dtype, resolve_weights
 from kvseal.model.loader import LoadedModel, load
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     model: str | None = None
-    dtype: str = "bf16"
+    dtype: str = "auto"  # auto | bf16 | fp32 (kvseal.model.cpu.resolve_dtype)
     kv_pool_tokens: int | None = None
     kv_memory_gib: float = 1.5
     page_size: int = 16
@@ -32,7 +32,7 @@ class WorkerSpec:
     allow_pool_below_context: bool = False
     max_running: int = 64
     step_token_budget: int = 512
-    weights: str = "bf16"  # kvseal.model.quant.WEIGHT_MODES
+    weights: str = "auto"  # auto or kvseal.model.quant.WEIGHT_MODES (kvseal.model.cpu.resolve_weights)
     threads: int = 0
     share_cores: str | None = None  # lock file shared with another engine on this host (CoreLock)
     scrub_on_free: bool = False
@@ -64,24 +64,37 @@ def off_main_thread(fn: Callable[[], object]) -> object:
     return box["v"]
 
 
+def resolve(spec: WorkerSpec) -> tuple[str, str]:
+    """The worker's (dtype, weight mode) once ``auto`` is decided for this CPU; raises ValueError on a pair that
+    cannot run (fp32 weights in a bf16 model)."""
+    dtype = resolve_dtype(spec.dtype)[0]
+    weights = resolve_weights(spec.weights, spec.dtype)
+    if weights == "fp32" and dtype != "fp32":
+        raise ValueError(f"--weights fp32 needs --dtype fp32 (the model computes in {dtype})")
+    return dtype, weights
+
+
 def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | None = None,
                  handoff: Callable | None = None, metrics: object = None,
                  loaded: LoadedModel | None = None) -> tuple[Engine, LoadedModel, Sizing]:
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
+    dtype_name, weights = resolve(spec)
+    dtype = DTYPES[dtype_name]
     lm = loaded or off_main_thread(lambda: load(spec.model, dtype))
     m = lm.model.cfg
-    if lm.model.weights_mode != spec.weights:
-        off_main_thread(lambda: lm.model.use_weights(spec.weights))
+    if lm.model.weights_mode != weights:
+        off_main_thread(lambda: lm.model.use_weights(weights))
     tokens = spec.kv_pool_tokens or pool_tokens_for(m, dtype, int(spec.kv_memory_gib * 2**30), spec.page_size)
     sizing = preflight(m, dtype, tokens, spec.context, spec.allow_pool_below_context)
     pool_cfg = PoolConfig(num_pages=tokens // spec.page_size, page_size=spec.page_size,
                           scrub_on_free=spec.scrub_on_free)
     kv = storage(pool_cfg, m, dtype) if storage else None
     pool = PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv)
-    cfg = EngineConfig(pool=pool_cfg, dtype=spec.dtype, max_running=spec.max_running,
+    cfg = EngineConfig(pool=pool_cfg, dtype=dtype_name, max_running=spec.max_running,
                        step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, prefix_cache=spec.prefix_cache, protections=spec.protections)
     engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics)
+    engine.machine = facts(spec.dtype, spec.weights, spec.threads)
+    print(one_line(engine.machine), flush=True)
     engine.grammars = Grammars(lm.tokenizer, m.vocab_size)
     if spec.share_cores:
         from kvseal.engine.cores import CoreLock

@@ -43,6 +43,7 @@ class Engine:
         self.model = model
         self.pool = pool
         self.role = role
+        self.machine: dict = {}  # kvseal.machine.facts, set by build_engine (signed /health carries it)
         self.handoff = handoff
         self.metrics = metrics
         self.runner = Runner(model, pool, check_tags=cfg.protections.page_tags)

@@ -2,30 +2,44 @@
 linear layers (``csrc/gemm.cpp``), and the fused per-layer ops (residual add + RMSNorm, RoPE + K/V store,
 SiLU * up).
 
-``csrc/*.cpp`` are built by the normal install (``setup.py``, g++ with ``-march=native`` and OpenMP) into
-``kvseal/model/_kernels*.so`` and called through ctypes; it has a C ABI and no Python or PyTorch headers. It shares PyTorch's OpenMP runtime (the same ``libgomp.so.1``), so ``torch.set_num_threads``
-governs it too, and ctypes drops the GIL for the call. The plain-PyTorch references
-(``kvseal.model.attention.decode_attention``; ``rms_norm``, ``apply_rope``, ``scatter_kv`` and
-``F.silu(gate) * up`` in ``kvseal.model.llama``) stay, and are used when the library is absent or
-``KVSEAL_KERNELS=off``; ``tests/test_kernels.py`` holds each kernel equal to its reference.
+``csrc/*.cpp`` are built by the normal install (``setup.py``, g++ with OpenMP) once per instruction-set level
+into ``kvseal/model/_kernels_<level>*.so``; ``kvseal.model.cpu`` picks the level this CPU runs (or the one
+``KVSEAL_ISA`` forces), and every class here takes the path of one library, so tests can hold each level to
+the reference on one machine. The libraries have a C ABI and no Python or PyTorch headers. They share
+PyTorch's OpenMP runtime (the same ``libgomp.so.1``), so ``torch.set_num_threads`` governs them too, and
+ctypes drops the GIL for the call. The plain-PyTorch references (``kvseal.model.attention.decode_attention``;
+``rms_norm``, ``apply_rope``, ``scatter_kv`` and ``F.silu(gate) * up`` in ``kvseal.model.llama``) stay, and
+are used when no library was built or ``KVSEAL_KERNELS=off``; ``tests/test_kernels.py`` holds each kernel
+equal to its reference, at every level this CPU runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import os
+import functools
 
 import torch
+
+from kvseal.model import cpu
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGS = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
 
 
-def library_path() -> str | None:
-    spec = importlib.util.find_spec("kvseal.model._kernels")
-    return spec.origin if spec is not None else None
+def library_path(level: str | None = None) -> str | None:
+    """The library of ``level`` (default: the one this process chose, ``kvseal.model.cpu.choice``)."""
+    if level is None:
+        level = cpu.choice().level
+    return cpu.library_for(level) if level is not None else None
+
+
+@functools.cache
+def library_info(path: str) -> tuple[str, str]:
+    """(level, compiler) that a library says it was built with."""
+    lib = ctypes.CDLL(path)
+    lib.kvseal_level.restype = lib.kvseal_compiler.restype = ctypes.c_char_p
+    return lib.kvseal_level().decode(), lib.kvseal_compiler().decode()
 
 
 class DecodeKernel:
@@ -46,7 +60,7 @@ class DecodeKernel:
         self._prefill_supported.argtypes, self._prefill_supported.restype = [_I64] * 4, ctypes.c_int
 
     def prefill_fits(self, q: torch.Tensor, kv: torch.Tensor) -> bool:
-        """Whether ``prefill`` takes this shape (bf16, 16-slot pages, AVX-512 BF16 on this CPU, ...)."""
+        """Whether ``prefill`` takes this shape (bf16, 16-slot pages, a library of the AVX-512 BF16 level, ...)."""
         _, heads, dim = q.shape
         return q.dtype == kv.dtype and self.prefill_takes(heads, kv.shape[3], dim, kv)
 
@@ -131,8 +145,8 @@ class FusedOps:
 
 
 class Gemm:
-    """bf16 ``y = x @ W.T`` with ``W`` packed once (``pack``): ``F.linear``'s fp32 sum rounded once (a rare element
-    one bf16 step away), batch invariant."""
+    """``y = x @ W.T`` with ``W`` packed once as bf16 (``pack``), fp32 sums, batch invariant. bf16 ``x``: ``F.linear``'s
+    fp32 sum rounded once (a rare element one bf16 step away); fp32 ``x``: fp32 out, the weights read as bf16."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
@@ -142,17 +156,20 @@ class Gemm:
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
         self._gemm = lib.kvseal_gemm_bf16
         self._gemm.argtypes, self._gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
+        self._gemm_f32 = lib.kvseal_gemm_f32
+        self._gemm_f32.argtypes, self._gemm_f32.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
         self._silu_supported = lib.kvseal_gemm_silu_supported
         self._silu_supported.argtypes, self._silu_supported.restype = [_I64, _I64], ctypes.c_int
         self._silu = lib.kvseal_gemm_silu_bf16
         self._silu.argtypes, self._silu.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
 
     def fits(self, w: torch.Tensor) -> bool:
-        return w.dtype == torch.bfloat16 and w.dim() == 2 and bool(self._supported(*w.shape))
+        """Whether this library takes a weight of ``w``'s shape (any float dtype: ``pack`` stores it as bf16)."""
+        return w.is_floating_point() and w.dim() == 2 and bool(self._supported(*w.shape))
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
-        """The kernel's layout of ``w [N, K]`` (a flat tensor of the same size)."""
-        w = w.contiguous()
+        """The kernel's layout of ``w [N, K]`` rounded to bf16 (a flat tensor of the same size)."""
+        w = w.to(torch.bfloat16).contiguous()
         packed = torch.empty(w.numel(), dtype=torch.bfloat16)  # PyTorch aligns CPU tensors to 64 bytes
         assert packed.data_ptr() % 64 == 0
         self._pack(w.data_ptr(), w.shape[0], w.shape[1], packed.data_ptr())
@@ -160,9 +177,10 @@ class Gemm:
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         m, k = x.shape
-        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == n * k
-        out = torch.empty((m, n), dtype=torch.bfloat16)
-        self._gemm(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, out.data_ptr())
+        assert x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1 and packed.numel() == n * k
+        out = torch.empty((m, n), dtype=x.dtype)
+        fn = self._gemm if x.dtype == torch.bfloat16 else self._gemm_f32
+        fn(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, out.data_ptr())
         return out
 
     def silu_fits(self, w: torch.Tensor) -> bool:
@@ -210,7 +228,7 @@ class NativeLayers:
 
 
 def kernels_enabled() -> bool:
-    return os.environ.get("KVSEAL_KERNELS", "on") != "off" and library_path() is not None
+    return library_path() is not None
 
 
 def load_decode_kernel(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> DecodeKernel | None:
@@ -222,8 +240,13 @@ def load_decode_kernel(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
 
 
 def load_gemm() -> Gemm | None:
-    """The bf16 GEMM if it was built (bf16 weights then skip oneDNN), else None."""
-    return Gemm(library_path()) if kernels_enabled() else None
+    """The GEMM of the chosen library (weights then skip oneDNN), else None."""
+    return _gemm(library_path()) if kernels_enabled() else None
+
+
+@functools.cache
+def _gemm(path: str) -> Gemm:
+    return Gemm(path)
 
 
 def load_native_layers() -> NativeLayers | None:

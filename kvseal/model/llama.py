@@ -103,11 +103,11 @@ class LlamaModel:
         self.fused = load_fused_ops(cfg.head_dim, dtype)
         # the whole layer loop in one native call, when every piece of it is native (bf16 only)
         self.native = load_native_layers() if dtype == torch.bfloat16 else None
-        self.use_weights("bf16")
+        self.use_weights("bf16" if dtype == torch.bfloat16 else "fp32")
 
     def use_weights(self, mode: str, small_rows: int = 8) -> None:
-        """Pick the linear layers' kernels (``kvseal.model.quant``): bf16, or int8/int4 for steps of at most
-        ``small_rows`` rows."""
+        """Pick the linear layers' weights and kernels (``kvseal.model.quant``): fp32 (fp32 models), bf16, or
+        int8/int4 for steps of at most ``small_rows`` rows."""
         def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
             return Linear(w, b, mode, small_rows)
 

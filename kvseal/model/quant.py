@@ -1,15 +1,20 @@
-"""Linear layers with the weight kernel chosen per step: bf16, or weight-only int8 / int4 for small batches.
+"""Linear layers with the weight kernel chosen per step: fp32 or bf16 weights, or weight-only int8 / int4 for
+small batches.
 
-``--weights bf16`` runs bf16 weights through the project's GEMM (``csrc/gemm.cpp``, packed once at load),
-which computes what ``F.linear`` computes (the same fp32 sum rounded once; a rare element lands one bf16
-step away) and gives a row the same result whatever shares its step, hands its work out dynamically (a core that
-another process borrows for a moment does not hold up the other), and streams weights faster for few rows.
-Where it is not built or does not fit (no AVX-512 BF16, a bias, odd shapes, ``KVSEAL_KERNELS=off``), the
-weight is prepacked once for oneDNN (``mkldnn._reorder_linear_weight``): the same arithmetic as
-``F.linear`` too, without reordering the weight on every call, which made ``F.linear`` 25–30% slower at
-this model's shapes. fp32 weights keep plain ``F.linear``. ``int8`` (per-output-channel symmetric scales) and ``int4``
-(groups of 32 along K, asymmetric: scale and zero per group, the same grid as GGUF's Q4_1 blocks) keep a
-packed copy beside the bf16 weight and use PyTorch's own weight-only kernels (``_weight_int8pack_mm``,
+``bf16`` weights run through the project's GEMM (``csrc/gemm.cpp``, packed once at load) at any kernel level
+from AVX2 up. With bf16 activations it computes what ``F.linear`` computes (the same fp32 sum rounded once;
+a rare element lands one bf16 step away); with fp32 activations (``--dtype auto`` on a CPU without bf16 dot
+products) it reads the weights as bf16 and computes in fp32, which halves the bytes a decode step reads.
+Either way a row gets the same result whatever shares its step, the work is handed out dynamically (a core
+that another process borrows for a moment does not hold up the other), and weights stream faster for few
+rows. Where the GEMM is not built or does not fit (the generic level, a bias, odd shapes,
+``KVSEAL_KERNELS=off``), a bf16 weight is prepacked once for oneDNN (``mkldnn._reorder_linear_weight``)
+where this CPU runs oneDNN's bf16 path (AVX-512, ``kvseal.model.cpu``), else it runs through plain
+``F.linear``; an fp32 model's bf16 weight then keeps an fp32 copy of the rounded values, so every path
+computes with the same weights. ``fp32`` (an fp32 model only) keeps the exact weights and plain ``F.linear``:
+the reference. ``int8`` (per-output-channel symmetric scales) and ``int4`` (groups of 32 along K,
+asymmetric: scale and zero per group, the same grid as GGUF's Q4_1 blocks) keep a packed copy beside the
+bf16 weight and use PyTorch's own weight-only kernels (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm_for_cpu``) when a step has at most ``small_rows`` rows: a decode step of a few streams
 reads every weight once for very little arithmetic, so it is bound by the bytes read, and 1 or ½ byte per
 weight beats 2. Larger steps are compute-bound, where the packed kernels are no faster, and use bf16.
@@ -23,9 +28,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvseal.model import cpu
 from kvseal.model.kernels import Gemm, load_gemm
 
-WEIGHT_MODES = ("bf16", "int8", "int4")
+WEIGHT_MODES = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 
 
@@ -36,24 +42,29 @@ class Linear:
                  small_rows: int = 0) -> None:
         if mode not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, not {mode!r}")
+        if mode == "fp32" and weight.dtype != torch.float32:
+            raise ValueError("fp32 weights need an fp32 model (--dtype fp32)")
         self.weight, self.bias, self.mode, self.small_rows = weight, bias, mode, small_rows
-        packable = weight.dtype == torch.bfloat16 and weight.shape[1] % INT4_GROUP == 0
-        if mode != "bf16" and not packable:
-            self.mode = "bf16"  # fp32 models (tests, references) and odd shapes keep the exact path
+        if mode in ("int8", "int4") and weight.shape[1] % INT4_GROUP:
+            self.mode = "bf16"  # odd shapes keep the bf16 path
         if self.mode == "int8":
             self.q, self.scales = quantize_int8(weight)
         elif self.mode == "int4":
             self.q, self.scales = quantize_int4(weight)
         gemm = load_gemm()
-        self.gemm: Gemm | None = gemm if gemm is not None and bias is None and gemm.fits(weight) else None
-        self.packed = self.gemm.pack(weight) if self.gemm is not None else prepack(weight)
+        self.gemm: Gemm | None = None
+        if self.mode != "fp32" and gemm is not None and bias is None and gemm.fits(weight):
+            self.gemm = gemm
+        # what F.linear computes with when the GEMM does not run: the weights this mode stands for
+        self.plain = weight if self.mode == "fp32" or weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16).to(weight.dtype)
+        self.packed = self.gemm.pack(weight) if self.gemm is not None else prepack(self.plain)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "bf16" or x.shape[0] > self.small_rows:
+        if self.mode in ("fp32", "bf16") or x.shape[0] > self.small_rows:
             if self.gemm is not None:
                 return self.gemm(x, self.packed, self.weight.shape[0])
             if self.packed is None:
-                return F.linear(x, self.weight, self.bias)
+                return F.linear(x, self.plain, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         if self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
@@ -66,12 +77,13 @@ class Linear:
             return (self.q.float() * self.scales.float()[:, None]).to(self.weight.dtype)
         if self.mode == "int4":
             return dequantize_int4(*int4_codes(self.weight)).to(self.weight.dtype)
-        return self.weight
+        return self.plain
 
 
 def prepack(w: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked layout of a bf16 weight (None: fp32, or a PyTorch built without oneDNN)."""
-    if w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """oneDNN's blocked layout of a bf16 weight (None: fp32, a PyTorch built without oneDNN, or a CPU where
+    oneDNN's bf16 path does not run: it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and dies without)."""
+    if w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available() or not cpu.choice().onednn_bf16:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(w, 32)
 

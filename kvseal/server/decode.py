@@ -445,6 +445,7 @@ def decode_app(svc: DecodeService) -> FastAPI:
     async def health(request: Request, quick: bool = False) -> JSONResponse:
         if peer_of(request) is None:  # unsigned: liveness only, no pool details
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick), "leases": len(svc.leases)})
+        return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick), "leases": len(svc.leases),
+                             "machine": svc.engine.machine})
 
     return app

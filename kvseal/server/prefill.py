@@ -236,6 +236,6 @@ def prefill_app(svc: PrefillService) -> FastAPI:
             return JSONResponse({"status": "ok"})
         if svc.pending and svc.faults.fire("slow_health"):  # a probe stuck behind work in flight
             await asyncio.sleep(svc.faults.delay)
-        return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick)})
+        return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick), "machine": svc.engine.machine})
 
     return app

@@ -1,11 +1,17 @@
-// bf16 linear layers, y = x @ W.T, with the weight packed once at load and the work handed out dynamically.
+// Linear layers, y = x @ W.T, with the weight packed once at load (bf16) and the work handed out dynamically.
 //
 // The weight [N, K] is packed into blocks of 16 output columns: block b holds, for each pair of input
 // features (2k, 2k + 1), the 16 columns' two weights side by side, which is the operand vdpbf16ps takes.
-// One task is a panel of up to 3 blocks (48 columns) for all rows, in chunks of 8 rows: 24 accumulators,
-// 3 weight loads and 8 broadcast rows per pair of features. Each output sums its K products in order,
-// two at a time, in fp32, and is rounded once to bf16: what F.linear computes, except that oneDNN orders some
-// sums differently, so a rare element (2e-5 to 2e-3 of them) lands one bf16 step away (tests/test_quant.py).
+// The same layout serves every level:
+// - AVX-512 BF16 (bf16 activations): one task is a panel of up to 3 blocks (48 columns) for all rows, in
+//   chunks of 8 rows: 24 accumulators, 3 weight loads and 8 broadcast rows per pair of features. Each output
+//   sums its K products in order, two at a time, in fp32, and is rounded once to bf16: what F.linear
+//   computes, except that oneDNN orders some sums differently, so a rare element (2e-5 to 2e-3 of them) lands
+//   one bf16 step away (tests/test_quant.py).
+// - AVX2 + FMA and AVX-512 F ("wide"): a pair's dword holds w[c][2k] in its low half and w[c][2k+1] in its
+//   high half, so a shift and a mask widen one load into the two fp32 vectors, exact; fp32 FMAs then add the
+//   products one at a time, in order. Activations are bf16 (rounded output, as above) or fp32 (fp32 output:
+//   the fp32 compute of --dtype auto on CPUs without bf16 dot products, weights still read as bf16).
 // The result is the same whatever the number of rows (a row's result does not depend on what shares its
 // step), which oneDNN does not guarantee.
 //
@@ -14,8 +20,8 @@
 // handed out one at a time (OpenMP dynamic schedule), so the free core takes the work. It is also faster for
 // few rows (batch-1 decode: 1.6x, memory-bound, it streams each weight once with no reorder).
 //
-// Needs AVX-512 BF16, N a multiple of 16 and K even; otherwise kvseal_gemm_supported() is 0 and the caller
-// keeps oneDNN (kvseal.model.quant).
+// Needs AVX2 + FMA (any level from avx2 up), N a multiple of 16 and K even; otherwise kvseal_gemm_supported()
+// is 0 and the caller keeps PyTorch (kvseal.model.quant).
 #include "common.h"
 
 namespace {
@@ -115,10 +121,112 @@ void panel_silu(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* wg, c
 #endif
 }  // namespace
 
+#if defined(__AVX2__)
+// The wide kernel: bf16 weights widened in registers, fp32 FMAs, VW lanes (8 with AVX2, 16 with AVX-512 F).
+namespace wide {
+#if defined(__AVX512F__)
+constexpr int VW = 16, RM = 8, NBM = 3;  // lanes, rows per micro-tile, blocks per panel (32 registers)
+using vf = __m512;
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf bcast(float v) { return _mm512_set1_ps(v); }
+inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline void pairs(const uint16_t* p, vf& lo, vf& hi) {
+  const __m512i d = _mm512_load_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store(float* o, vf v) { _mm512_storeu_ps(o, v); }
+inline void store(uint16_t* o, vf v) { kvseal::store_bf16_16(o, kvseal::round_bf16_16(v)); }
+#else
+constexpr int VW = 8, RM = 4, NBM = 1;  // 16 registers: 8 accumulators, 4 widened weights, a broadcast
+using vf = __m256;
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf bcast(float v) { return _mm256_set1_ps(v); }
+inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline void pairs(const uint16_t* p, vf& lo, vf& hi) {
+  const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(d, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store(float* o, vf v) { _mm256_storeu_ps(o, v); }
+inline void store(uint16_t* o, vf v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  for (int i = 0; i < 8; ++i) kvseal::from_f32(t[i], o + i);
+}
+#endif
+constexpr int VB = 16 / VW;  // vectors per 16-column block
+
+inline float xval(const float* x, int64_t i) { return x[i]; }
+inline float xval(const uint16_t* x, int64_t i) { return kvseal::to_f32(x[i]); }
+
+template <int R, int NB, typename TX, typename TO>
+inline void micro(const TX* x, int64_t ldx, const uint16_t* wp, int64_t npairs, int64_t block, TO* out,
+                  int64_t ldo) {
+  constexpr int C = NB * VB;
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t k = 0; k < npairs; ++k) {
+    vf lo[C], hi[C];
+    for (int j = 0; j < NB; ++j)
+      for (int v = 0; v < VB; ++v) pairs(wp + j * block + k * 32 + v * 2 * VW, lo[j * VB + v], hi[j * VB + v]);
+    for (int r = 0; r < R; ++r) {
+      const vf a = bcast(xval(x + r * ldx, 2 * k));
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(a, lo[c], acc[r][c]);
+      const vf b = bcast(xval(x + r * ldx, 2 * k + 1));
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(b, hi[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(out + r * ldo + VW * c, acc[r][c]);
+}
+
+template <int R, int NB, typename TX, typename TO>
+inline void rows_tail(const TX* x, int64_t ldx, int64_t left, const uint16_t* wp, int64_t npairs, int64_t block,
+                      TO* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (left == R) return micro<R, NB>(x, ldx, wp, npairs, block, out, ldo);
+    rows_tail<R - 1, NB>(x, ldx, left, wp, npairs, block, out, ldo);
+  }
+}
+
+template <int NB, typename TX, typename TO>
+void panel(const TX* x, int64_t ldx, int64_t m, const uint16_t* wp, int64_t npairs, TO* out, int64_t ldo) {
+  const int64_t block = npairs * 32;
+  int64_t i = 0;
+  for (; i + RM <= m; i += RM) micro<RM, NB>(x + i * ldx, ldx, wp, npairs, block, out + i * ldo, ldo);
+  rows_tail<RM - 1, NB>(x + i * ldx, ldx, m - i, wp, npairs, block, out + i * ldo, ldo);
+}
+
+template <typename TX, typename TO>
+void gemm(const TX* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k, TO* out) {
+  const int64_t blocks = n / 16, panels = (blocks + NBM - 1) / NBM, npairs = k / 2;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t b0 = NBM * p, nb = blocks - b0 < NBM ? blocks - b0 : NBM;
+    const uint16_t* wp = packed + b0 * npairs * 32;
+    TO* o = out + b0 * 16;
+    if constexpr (NBM == 3) {
+      if (nb == 3) {
+        panel<3>(x, ldx, m, wp, npairs, o, n);
+        continue;
+      }
+      if (nb == 2) {
+        panel<2>(x, ldx, m, wp, npairs, o, n);
+        continue;
+      }
+    }
+    panel<1>(x, ldx, m, wp, npairs, o, n);
+  }
+}
+}  // namespace wide
+#endif
+
 extern "C" {
 
 int kvseal_gemm_supported(int64_t n, int64_t k) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__)
   return n > 0 && k > 0 && n % 16 == 0 && k % 2 == 0;
 #else
   (void)n, (void)k;
@@ -157,6 +265,19 @@ void kvseal_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t*
     else
       panel<1>(x, ldx, m, wp, pairs, o, n);
   }
+#elif defined(__AVX2__)
+  wide::gemm(x, ldx, m, packed, n, k, out);
+#else
+  (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
+#endif
+}
+
+// out [m, n] fp32 = x [m, k] fp32 (row stride ldx) @ W.T, W bf16 packed by kvseal_gemm_pack_bf16: fp32 compute
+// with the weights read as bf16
+void kvseal_gemm_f32(const float* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k,
+                     float* out) {
+#if defined(__AVX2__)
+  wide::gemm(x, ldx, m, packed, n, k, out);
 #else
   (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
 #endif

@@ -1,0 +1,161 @@
+"""What this CPU can run, and which build of the native kernels (a *level*) to load.
+
+The kernels in ``csrc/`` are compiled once per level by the normal install (``setup.py``), never with
+``-march=native``: ``generic`` (baseline x86-64 or aarch64, vectorized by the compiler only), ``avx2``
+(x86-64-v3: AVX2, FMA, F16C), ``avx512`` (x86-64-v4: AVX-512 F/BW/DQ/VL) and ``avx512_bf16`` (plus AVX-512
+BF16 dot products). At start the process loads the highest level that this CPU runs and the install built,
+as oneDNN and llama.cpp's ggml-cpu pick theirs. ``KVSEAL_ISA=LEVEL`` forces a lower one (for tests, and for
+a user who hits a bug in a higher one); a level this CPU cannot run is refused with the features it lacks.
+``KVSEAL_KERNELS=off`` loads none: the plain PyTorch path, which runs wherever PyTorch runs.
+
+The level also bounds what kvseal asks of PyTorch: oneDNN's prepacked bf16 weights need AVX-512 (or
+AVX-NE-CONVERT), and ``--dtype auto`` computes in bf16 only where the CPU has native bf16 dot products
+(AVX-512 BF16 or AMX on x86, the BF16 extension on Arm), in fp32 elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import platform
+from dataclasses import dataclass
+
+# level -> the /proc/cpuinfo flags it needs, per architecture, lowest first
+LEVELS: dict[str, dict[str, tuple[str, ...]]] = {
+    "x86_64": {
+        "generic": (),
+        "avx2": ("avx2", "fma", "f16c"),
+        "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"),
+        "avx512_bf16": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
+    },
+    "aarch64": {"generic": ()},
+}
+
+
+class LevelError(ValueError):
+    """A forced kernel level this machine cannot run (or that does not exist, or was not built)."""
+
+
+def arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (x86 ``flags``, Arm ``Features``); empty if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "CPU part"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def levels(machine: str | None = None) -> dict[str, tuple[str, ...]]:
+    return LEVELS.get(machine or arch(), {"generic": ()})
+
+
+def runnable(flags: frozenset[str], machine: str | None = None) -> list[str]:
+    """Levels (lowest first) whose every feature is in ``flags``."""
+    return [name for name, need in levels(machine).items() if set(need) <= flags]
+
+
+def check_level(level: str, flags: frozenset[str], machine: str | None = None) -> None:
+    """Raise ``LevelError`` naming what is wrong if this CPU cannot run ``level``."""
+    known = levels(machine)
+    if level not in known:
+        raise LevelError(f"KVSEAL_ISA={level}: not a kernel level of {machine or arch()} (levels: {', '.join(known)})")
+    missing = [f for f in known[level] if f not in flags]
+    if missing:
+        raise LevelError(f"KVSEAL_ISA={level}: this CPU lacks {', '.join(missing)} (it runs: "
+                         f"{', '.join(runnable(flags, machine))})")
+
+
+def library_for(level: str) -> str | None:
+    spec = importlib.util.find_spec(f"kvseal.model._kernels_{level}")
+    return spec.origin if spec is not None else None
+
+
+def built() -> list[str]:
+    return [lv for lv in levels() if library_for(lv) is not None]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The kernel level this process uses (``None``: plain PyTorch), and why."""
+
+    level: str | None
+    ceiling: str  # the highest level kvseal lets itself (and oneDNN) use: the forced one, or the CPU's best
+    reason: str
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 dot products in hardware, as far as the ceiling allows."""
+        if arch() == "aarch64":
+            return "bf16" in cpu_flags()
+        return self.ceiling == "avx512_bf16" or ("amx_bf16" in cpu_flags() and self.ceiling.startswith("avx512"))
+
+    @property
+    def onednn_bf16(self) -> bool:
+        """Whether oneDNN's bf16 weight prepack runs here (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+        return self.ceiling.startswith("avx512") or ("avx_ne_convert" in cpu_flags() and self.ceiling != "generic")
+
+
+@functools.cache
+def choice() -> Choice:
+    """Reads ``KVSEAL_ISA`` and ``KVSEAL_KERNELS`` once per process; raises ``LevelError`` on a bad level."""
+    flags, have = cpu_flags(), built()
+    runs = runnable(flags)
+    forced = os.environ.get("KVSEAL_ISA")
+    if forced:
+        check_level(forced, flags)
+        ceiling = forced
+    else:
+        ceiling = runs[-1] if runs else "generic"
+    if os.environ.get("KVSEAL_KERNELS", "on") == "off":
+        return Choice(None, ceiling, "KVSEAL_KERNELS=off: plain PyTorch")
+    if forced:
+        if forced not in have:
+            raise LevelError(f"KVSEAL_ISA={forced}: the install did not build that level (built: "
+                             f"{', '.join(have) or 'none'})")
+        return Choice(forced, ceiling, f"forced by KVSEAL_ISA={forced}")
+    usable = [lv for lv in runs if lv in have]
+    if not usable:
+        return Choice(None, ceiling, "no native kernels were built (no C++ compiler at install?): plain PyTorch")
+    best = usable[-1]
+    why = "the best this CPU runs" if best == runs[-1] else f"the best built ({runs[-1]} was not built)"
+    return Choice(best, ceiling, why)
+
+
+def resolve_dtype(dtype: str) -> tuple[str, str]:
+    """``--dtype`` → (the dtype, why); ``auto`` is bf16 where the CPU has native bf16 dot products."""
+    if dtype != "auto":
+        return dtype, "asked for"
+    if choice().native_bf16:
+        return "bf16", "auto: this CPU has bf16 dot products"
+    return "fp32", "auto: no bf16 dot products on this CPU (fp32 compute)"
+
+
+def resolve_weights(weights: str, dtype_flag: str) -> str:
+    """``--weights auto``: bf16 storage, except with an explicit ``--dtype fp32`` (exact fp32 weights)."""
+    if weights != "auto":
+        return weights
+    return "fp32" if dtype_flag in ("fp32", "float32") else "bf16"
