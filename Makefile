@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvseal-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile kvseal/model/csrc/decode_attention.cpp kvseal/model/csrc/fused.cpp kvseal/model/csrc/prefill_attention.cpp kvseal/model/csrc/common.h
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard kvseal/model/csrc/*.cpp kvseal/model/csrc/*.h)
 	@dpkg -s libibverbs1 spin >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2 spin; }
 	@command -v java >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends default-jre-headless; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)

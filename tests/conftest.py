@@ -20,10 +20,19 @@ import pytest
 import torch
 
 from kvseal.engine.build import off_main_thread
+from kvseal.model import cpu
 from kvseal.model.loader import load
 from kvseal.transfer.auth import ClusterSecret, Signer, write_secret_file
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
+# every build of the native kernels this CPU runs: kernel tests hold each to the reference, so a machine with
+# the widest instructions also tests the narrower levels (KVSEAL_ISA picks the one a process serves with)
+KERNEL_LEVELS = [lv for lv in cpu.runnable(cpu.cpu_flags()) if lv in cpu.built()]
+
+
+@pytest.fixture(params=KERNEL_LEVELS)
+def level(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,13 @@
 """The compiled kernels equal their plain-PyTorch references: the paged decode kernel over ragged lengths,
 fragmented pages, GQA, partial last pages, bf16 and fp32; the fused norm, RoPE + K/V store and SiLU * up; and
-the real model's fused forward gives the reference's tokens."""
+the real model's fused forward gives the reference's tokens. The kernel-level tests run every build of the
+library this CPU runs (``conftest.KERNEL_LEVELS``: generic, avx2, avx512, avx512_bf16)."""
 
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import KERNEL_LEVELS
 from engine_util import chat_ids
 
 from kvseal.model.attention import decode_attention, gather_kv, gather_rows, scatter_kv, write_rows
@@ -13,11 +15,16 @@ from kvseal.model.kernels import DecodeKernel, FusedOps, library_path
 from kvseal.model.llama import apply_rope, rms_norm, rope_tables
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    path = library_path()
-    assert path is not None, "the install did not build kvseal/model/_kernels (see setup.py)"
-    return DecodeKernel(path)
+@pytest.fixture(scope="module", params=KERNEL_LEVELS)
+def kernel(request):
+    return DecodeKernel(library_path(request.param))
+
+
+def test_the_install_built_the_levels_this_cpu_runs():
+    """setup.py builds every level of this architecture; a CPU that runs one must find it built (a missing level
+    is a silent slowdown: the next lower one serves)."""
+    from kvseal.model import cpu
+    assert set(cpu.runnable(cpu.cpu_flags())) <= set(cpu.built()), cpu.built()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -60,9 +67,9 @@ def _assert_rounding_apart(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_fused_add_rms_norm_matches_reference(dtype, rows):
+def test_fused_add_rms_norm_matches_reference(level, dtype, rows):
     gen = torch.Generator().manual_seed(rows)
-    ops = FusedOps(library_path(), dtype)
+    ops = FusedOps(library_path(level), dtype)
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     delta = torch.randn(rows, 576, generator=gen).to(dtype)
     w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
@@ -75,7 +82,7 @@ def test_fused_add_rms_norm_matches_reference(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_rope_store_matches_reference(dtype):
+def test_fused_rope_store_matches_reference(level, dtype):
     from kvseal.config import ModelConfig
     gen = torch.Generator().manual_seed(5)
     heads, kvh, dim, layers, page, n_pages, n = 9, 3, 64, 4, 16, 32, 40
@@ -94,7 +101,7 @@ def test_fused_rope_store_matches_reference(dtype):
     scatter_kv(kv_ref, rows, 2, 0, qk[:, heads:])
     scatter_kv(kv_ref, rows, 2, 1, qkv[:, (heads + kvh) * dim:].view(n, kvh, dim))
     got = qkv.clone()
-    FusedOps(library_path(), dtype).rope_store(got, heads, kvh, cos, sin, positions, kv_got, slots, 2)
+    FusedOps(library_path(level), dtype).rope_store(got, heads, kvh, cos, sin, positions, kv_got, slots, 2)
     assert torch.equal(got[:, : (heads + kvh) * dim], qk.reshape(n, -1))  # rounded step for step: exact
     assert torch.equal(got[:, (heads + kvh) * dim:], qkv[:, (heads + kvh) * dim:])
     assert torch.equal(kv_got, kv_ref)  # the same slots written, nothing else touched
@@ -102,12 +109,12 @@ def test_fused_rope_store_matches_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 33])
-def test_fused_silu_mul_matches_reference(dtype, rows):
+def test_fused_silu_mul_matches_reference(level, dtype, rows):
     gen = torch.Generator().manual_seed(rows)
     gate_up = (3 * torch.randn(rows, 2 * 1544, generator=gen)).to(dtype)  # 1544: a tail past the 16-wide loop
     gate, up = gate_up.chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
-    _assert_rounding_apart(FusedOps(library_path(), dtype).silu_mul(gate_up), ref)
+    _assert_rounding_apart(FusedOps(library_path(level), dtype).silu_mul(gate_up), ref)
 
 
 def _teacher_forced(model, prompt: list[int], cont: list[int], first_chunk: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from engine_util import chat_ids, generate, make_engine
 
+from kvseal.model.kernels import Gemm, library_path
 from kvseal.model.quant import Linear, dequantize_int4, int4_codes, prepack
 
 
@@ -52,7 +53,7 @@ def test_the_model_serves_in_every_weight_mode(bf16_model, mode):
     assert "Berlin" in bf16_model.tokenizer.decode(out)
 
 
-def test_bf16_linear_equals_f_linear_and_ignores_batch_size():
+def test_bf16_linear_equals_f_linear_and_ignores_batch_size(level):
     """Both bf16 paths compute what F.linear computes: oneDNN's prepacked weight bit for bit, the native GEMM
     the same fp32 sum rounded once (it lands on the other side of a rounding boundary for a rare element, one
     bf16 step away, or fp32 rounding apart where the sum cancels to near zero). With the native GEMM a row's
@@ -68,9 +69,14 @@ def test_bf16_linear_equals_f_linear_and_ignores_batch_size():
         onednn.gemm, onednn.packed = None, prepack(w)
         if onednn.packed is not None:
             assert torch.equal(onednn(x), ref)
-        native = Linear(w)
-        if native.gemm is None:
-            pytest.skip("no native GEMM on this CPU (AVX-512 BF16) or KVSEAL_KERNELS=off")
+        gemm = Gemm(library_path(level))
+        if not gemm.fits(w):
+            pytest.skip(f"no native GEMM at the {level} level")
+        packed = gemm.pack(w)
+
+        def native(rows: torch.Tensor) -> torch.Tensor:
+            return gemm(rows, packed, n)
+
         full = native(x)
         step = ref.float().abs() * 2.0**-7 + (x.float().abs() @ w.float().abs().T) * 2.0**-20
         assert ((full.float() - ref.float()).abs() <= step).all()
@@ -82,18 +88,55 @@ def test_bf16_linear_equals_f_linear_and_ignores_batch_size():
             assert torch.equal(native(x[rows:2 * rows]), full[rows:2 * rows])
 
 
-def test_gate_up_gemm_with_silu_equals_gemm_then_silu_mul():
+def test_fp32_activations_with_bf16_weights_equal_f_linear_on_the_rounded_weights(level):
+    """fp32 compute over bf16 weights (``--dtype auto`` without bf16 dot products): fp32 F.linear with the
+    weights rounded to bf16, to fp32 rounding (sums in another order), and a row's result whatever shares its
+    step."""
+    gen = torch.Generator().manual_seed(6)
+    gemm = Gemm(library_path(level))
+    for n, k in ((3072, 576), (576, 1536), (48 * 3 + 16, 64)):
+        w = 0.05 * torch.randn(n, k, generator=gen)
+        if not gemm.fits(w):
+            pytest.skip(f"no native GEMM at the {level} level")
+        packed = gemm.pack(w)
+        x = torch.randn(100, k, generator=gen)
+        full = gemm(x, packed, n)
+        assert full.dtype == torch.float32
+        ref = F.linear(x, w.to(torch.bfloat16).float())
+        bound = (x.abs() @ w.abs().T) * 2.0**-20  # a few fp32 ulps of the sum of |products|
+        assert ((full - ref).abs() <= bound).all()
+        for rows in (1, 3, 8, 9, 32):
+            assert torch.equal(gemm(x[:rows].contiguous(), packed, n), full[:rows])
+            assert torch.equal(gemm(x[rows:2 * rows], packed, n), full[rows:2 * rows])
+
+
+def test_an_fp32_model_keeps_its_weights_exact_or_reads_them_as_bf16():
+    """``--weights fp32`` is F.linear on the exact weights; ``bf16`` in an fp32 model computes with the rounded
+    weights, through the GEMM where it is built and through F.linear on an fp32 copy of them where not."""
+    gen = torch.Generator().manual_seed(7)
+    w, x = 0.05 * torch.randn(64, 128, generator=gen), torch.randn(3, 128, generator=gen)
+    exact = Linear(w, None, "fp32")
+    assert exact.gemm is None and torch.equal(exact(x), F.linear(x, w))
+    rounded = Linear(w, None, "bf16")
+    ref = F.linear(x, w.to(torch.bfloat16).float())
+    torch.testing.assert_close(rounded(x), ref, rtol=1e-5, atol=1e-5)
+    rounded.gemm, rounded.packed = None, None
+    assert torch.equal(rounded(x), ref)
+    with pytest.raises(ValueError, match="fp32 model"):
+        Linear(w.to(torch.bfloat16), None, "fp32")
+
+
+def test_gate_up_gemm_with_silu_equals_gemm_then_silu_mul(level):
     """The gate/up GEMM with SiLU(gate) * up in its epilogue (what the native layer loop runs) gives the bits
     of the GEMM followed by the fused silu_mul, for every row-count remainder and an odd number of blocks."""
-    from kvseal.model.kernels import FusedOps, library_path, load_gemm
-    gemm = load_gemm()
-    if gemm is None:
-        pytest.skip("no native GEMM on this CPU (AVX-512 BF16) or KVSEAL_KERNELS=off")
+    from kvseal.model.kernels import FusedOps
+    gemm = Gemm(library_path(level))
     gen = torch.Generator().manual_seed(4)
-    silu_mul = FusedOps(library_path(), torch.bfloat16).silu_mul
+    silu_mul = FusedOps(library_path(level), torch.bfloat16).silu_mul
     for inter, k in ((1536, 576), (80, 64)):
         w = (0.05 * torch.randn(2 * inter, k, generator=gen)).to(torch.bfloat16)
-        assert gemm.silu_fits(w)
+        if not gemm.silu_fits(w):
+            pytest.skip(f"the fused gate/up GEMM is built at the avx512_bf16 level only (this is {level})")
         packed = gemm.pack(w)
         for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64):
             x = (2 * torch.randn(rows, k, generator=gen)).to(torch.bfloat16)
