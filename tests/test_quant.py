@@ -74,7 +74,7 @@ def test_bf16_linear_equals_f_linear_and_ignores_batch_size(level):
             pytest.skip(f"no native GEMM at the {level} level")
         packed = gemm.pack(w)
 
-        def native(rows: torch.Tensor) -> torch.Tensor:
+        def native(rows: torch.Tensor, gemm: Gemm = gemm, packed: torch.Tensor = packed, n: int = n) -> torch.Tensor:
             return gemm(rows, packed, n)
 
         full = native(x)
