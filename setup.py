@@ -3,37 +3,29 @@ library with a C ABI each, loaded with ctypes; ``kvseal.model.cpu`` picks one at
 features). All metadata is in pyproject.toml.
 
 Never ``-march=native``: a library built on one x86-64 machine must load on any other, so each level names
-its instructions (x86-64-v3 for AVX2 + FMA, x86-64-v4 for AVX-512, plus AVX-512 BF16) and ``-mtune=generic``.
+its instructions (x86-64-v3 for AVX2 + FMA, x86-64-v4 for AVX-512, plus AVX-512 BF16; the table is
+``kvseal.model.cpu.BUILD_FLAGS``) and ``-mtune=generic``.
 Every level is optional: without a C++ compiler (or one too old for a level's flags) the install still
 succeeds and kvseal runs plain PyTorch or the levels that did build. ``-ffp-contract=off``: the fused ops
 round where PyTorch rounds."""
 
+import importlib.util
 import os
-import platform
+import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+# the level tables live in kvseal/model/cpu.py (standard library only), loaded by path: the package's
+# dependencies are not installed yet when this runs
+_spec = importlib.util.spec_from_file_location("_kvseal_cpu", os.path.join("kvseal", "model", "cpu.py"))
+cpu = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = cpu  # dataclasses look their module up there
+_spec.loader.exec_module(cpu)
+
 SOURCES = ["kvseal/model/csrc/decode_attention.cpp", "kvseal/model/csrc/prefill_attention.cpp",
            "kvseal/model/csrc/gemm.cpp", "kvseal/model/csrc/layers.cpp", "kvseal/model/csrc/fused.cpp",
            "kvseal/model/csrc/info.cpp"]
-COMMON = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-mtune=generic"]
-X86_LEVELS = {
-    "generic": ["-march=x86-64"],
-    "avx2": ["-march=x86-64-v3"],
-    "avx512": ["-march=x86-64-v4"],
-    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
-}
-ARM_LEVELS = {"generic": ["-march=armv8-a"]}
-
-
-def levels() -> dict[str, list[str]]:
-    machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64"):
-        return X86_LEVELS
-    if machine in ("aarch64", "arm64"):
-        return ARM_LEVELS
-    return {"generic": []}
 
 
 class PerLevelBuild(build_ext):
@@ -51,8 +43,8 @@ class PerLevelBuild(build_ext):
 
 setup(
     ext_modules=[Extension(f"kvseal.model._kernels_{name}", SOURCES, depends=["kvseal/model/csrc/common.h"],
-                           language="c++", extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"],
+                           language="c++", extra_compile_args=cpu.COMMON_FLAGS + flags, extra_link_args=["-fopenmp"],
                            define_macros=[("KVSEAL_LEVEL", f'"{name}"')], optional=True)
-                 for name, flags in levels().items()],
+                 for name, flags in cpu.BUILD_FLAGS.get(cpu.arch(), {"generic": []}).items()],
     cmdclass={"build_ext": PerLevelBuild},
 )

@@ -9,10 +9,14 @@ competes with another for the two cores. Writes bench/out/peers.json (every run,
 and a plot. vLLM comes from its own virtualenv (``--vllm-venv``; it is never a dependency of kvseal); without
 one the script says so and measures kvseal alone. ``--hf-dir``: the model as a Hugging Face directory, which
 vLLM needs; if the directory does not exist it is written from the GGUF first (same dequantized weights).
-kvseal modes: ``colocated``, ``disaggregated``, and either with ``-int4`` / ``-int8`` for ``--weights``.
-``--llamacpp-venv``: a virtualenv with ``llama-cpp-python[server]``; its server runs the GGUF file itself
-(Q4_1 weights) on the single-stream cases only (it serves one request at a time), and the ratios against it
-are written too. Not part of CI.
+kvseal modes: ``colocated``, ``disaggregated``, either with ``-int4`` / ``-int8`` for ``--weights``, and with
+``@LEVEL`` to serve at a forced kernel level (``colocated@avx2``: ``KVSEAL_ISA=avx2``, oneDNN held to AVX2
+too, as on an AVX2-only CPU). ``--llama-server``: llama.cpp's own server binary, run on every case with
+``--parallel 32`` (continuous batching) for each GGUF type in ``--llama-quants`` (Q4_1 is the shipped file;
+others are requantized from it with ``llama-quantize`` beside the server, once). ``--llamacpp-venv``: a
+virtualenv with ``llama-cpp-python[server]``, whose server takes one request at a time: single-stream cases
+only. The JSON records the machine (``kvseal env``) and each kvseal server's start line (its kernel level), and
+the ratio of each kvseal server to the best peer per case. Not part of CI.
 """
 
 from __future__ import annotations
@@ -38,12 +42,35 @@ CASES = [(1, 128, 128), (32, 128, 128), (32, 850, 64), (1, 850, 1)]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def kvseal_cmd(mode: str, port: int) -> list[str]:
+def kvseal_cmd(mode: str, port: int) -> tuple[list[str], dict]:
+    """``colocated-int4@avx2`` → the command and its environment."""
+    mode, _, isa = mode.partition("@")
     layout, _, weights = mode.partition("-")
     extra = ["--colocated"] if layout == "colocated" else []
     if weights:
         extra += ["--weights", weights]
-    return [str(ROOT / ".venv/bin/kvseal"), "serve", *extra, "--port", str(port)]
+    env = {"KVSEAL_ISA": isa, "ONEDNN_MAX_CPU_ISA": "AVX2" if isa in ("avx2", "generic") else "ALL"} if isa else {}
+    return [str(ROOT / ".venv/bin/kvseal"), "serve", *extra, "--port", str(port)], env
+
+
+def llama_server_cmd(binary: Path, gguf: Path, port: int) -> list[str]:
+    ctx = 32 * 1024  # split over the 32 slots: 1,024 tokens each, room for 850 + 64
+    return [str(binary), "-m", str(gguf), "--alias", MODEL, "--port", str(port), "-t", str(os.cpu_count()),
+            "-tb", str(os.cpu_count()), "--parallel", "32", "--cont-batching", "-c", str(ctx)]
+
+
+def llama_gguf(binary: Path, quant: str, out: Path) -> Path:
+    """The shipped GGUF for Q4_1; other types requantized from it once (``llama-quantize --allow-requantize``)."""
+    from kvseal.model.loader import default_model_path
+
+    src = default_model_path()
+    if quant == "Q4_1":
+        return src
+    dst = out / f"SmolLM2-135M-Instruct.{quant}.gguf"
+    if not dst.exists():
+        subprocess.run([str(binary.parent / "llama-quantize"), "--allow-requantize", str(src), str(dst), quant],
+                       check=True, capture_output=True)
+    return dst
 
 
 def llamacpp_cmd(venv: Path, port: int) -> list[str]:
@@ -128,8 +155,25 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     means = {name: {case: {k: float(np.mean([r[case][k] for r in rs if k in r[case]]))
                            for k in keys if all(k in r[case] for r in rs)}
                     for case in rs[0]} for name, rs in runs.items() if rs}
+    peers = [n for n in means if not n.startswith("kvseal")]
     return {"means": means, "kvseal_over_vllm": ratios_to(means, "vllm"),
-            "kvseal_over_llamacpp": ratios_to(means, "llamacpp")}
+            "kvseal_over_llamacpp": ratios_to(means, "llamacpp"),
+            **{f"kvseal_over_{n}": ratios_to(means, n) for n in peers if n.startswith("llama_server")},
+            "kvseal_over_best_peer": over_best(means, peers)}
+
+
+def over_best(means: dict, peers: list[str]) -> dict:
+    """Each kvseal server's output tok/s over the best peer's in each case (the peer named)."""
+    out: dict = {}
+    for name, cases in means.items():
+        if name.startswith("kvseal"):
+            out[name] = {}
+            for case, m in cases.items():
+                best = max(((means[p][case]["output_tok_s"], p) for p in peers
+                            if "output_tok_s" in means[p].get(case, {})), default=None)
+                if best and "output_tok_s" in m:
+                    out[name][case] = {"ratio": m["output_tok_s"] / best[0], "best_peer": best[1]}
+    return out
 
 
 def ratios_to(means: dict, base: str) -> dict:
@@ -181,11 +225,19 @@ def main() -> None:
     ap.add_argument("--vllm-args", default="--enforce-eager", help="extra vLLM server flags")
     ap.add_argument("--llamacpp-venv", type=Path, default=None,
                     help="a virtualenv with llama-cpp-python[server] (single-stream cases)")
+    ap.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary (every case)")
+    ap.add_argument("--llama-quants", default="Q4_1,Q8_0", help="GGUF types for --llama-server")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--kvseal-modes", default="colocated,disaggregated")
     ap.add_argument("--out", default="bench/out/peers")
     a = ap.parse_args()
-    servers = {f"kvseal_{m}": (kvseal_cmd(m, 8600), {}, 8600, CASES) for m in a.kvseal_modes.split(",")}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    servers = {f"kvseal_{m}": (*kvseal_cmd(m, 8600), 8600, CASES) for m in a.kvseal_modes.split(",")}
+    if a.llama_server:
+        for q in a.llama_quants.split(","):
+            servers[f"llama_server_{q}"] = (llama_server_cmd(a.llama_server, llama_gguf(a.llama_server, q, out.parent),
+                                                             8603), {}, 8603, CASES)
     if a.vllm_venv and (a.vllm_venv / "bin/python").exists() and a.hf_dir:
         if not Path(a.hf_dir).exists():
             write_hf_dir(Path(a.hf_dir))
@@ -196,24 +248,29 @@ def main() -> None:
     if a.llamacpp_venv and (a.llamacpp_venv / "bin/python").exists():
         single = [c for c in CASES if c[0] == 1]
         servers["llamacpp"] = (llamacpp_cmd(a.llamacpp_venv, 8602), {}, 8602, single)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {name: [] for name in servers}
+    start_lines: dict[str, str] = {}
     for rep in range(a.reps):
         order = list(servers) if rep % 2 == 0 else list(reversed(servers))
         for name in order:
             cmd, env, port, cases = servers[name]
-            p = Proc(cmd, env, port, out.parent / f"peers-{name}.log")
+            log = out.parent / f"peers-{name}.log"
+            p = Proc(cmd, env, port, log)
             try:
-                runs[name].append(measure(p.url, cases, text=name == "llamacpp"))
+                runs[name].append(measure(p.url, cases, text=name.startswith("llama")))
             finally:
                 p.stop()
+            if name.startswith("kvseal"):
+                start_lines[name] = next((ln for ln in log.read_text().splitlines() if ln.startswith("kvseal: ")), "")
             print(name, json.dumps({c: round(r.get("output_tok_s", -1), 1) for c, r in runs[name][-1].items()}),
                   flush=True)
-    result = {"cases": CASES, "reps": a.reps, "runs": runs, **summarize(runs)}
+    from kvseal.machine import facts
+
+    result = {"machine": facts(), "start_lines": start_lines, "cases": CASES, "reps": a.reps, "runs": runs,
+              **summarize(runs)}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("means", "kvseal_over_vllm", "kvseal_over_llamacpp")}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "cases")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ ZEN1 = frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c", "bmi2", "sha_ni"}
 def fresh_choice(monkeypatch):
     """Lets a test set KVSEAL_ISA / KVSEAL_KERNELS for this process's choice, and restores it after."""
     cpu.choice.cache_clear()
+    monkeypatch.delenv("KVSEAL_ISA", raising=False)  # the suite may run with a level forced
+    monkeypatch.delenv("KVSEAL_KERNELS", raising=False)
     yield monkeypatch
     monkeypatch.undo()
     cpu.choice.cache_clear()
@@ -46,8 +48,10 @@ def test_a_level_the_cpu_cannot_run_is_refused_naming_what_it_lacks():
 
 
 def _kvseal(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """kvseal with exactly the given KVSEAL_ISA / KVSEAL_KERNELS (not those the suite may run with)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("KVSEAL_ISA", "KVSEAL_KERNELS")}
     return subprocess.run([sys.executable, "-m", "kvseal.cli", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env}, cwd=ROOT, check=False)
+                          env={**base, **env}, cwd=ROOT, check=False)
 
 
 def test_env_reports_the_forced_level_and_auto_dtype():
@@ -101,6 +105,7 @@ def test_the_install_succeeds_without_a_compiler(tmp_path):
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(ROOT / "kvseal" / "model" / "csrc", tmp_path / "kvseal" / "model" / "csrc")
+    shutil.copy(ROOT / "kvseal" / "model" / "cpu.py", tmp_path / "kvseal" / "model" / "cpu.py")
     r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120, env={**os.environ, "CC": "/bin/false", "CXX": "/bin/false"}, check=False)
     assert r.returncode == 0, r.stderr[-2000:]

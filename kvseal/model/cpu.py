@@ -33,6 +33,19 @@ LEVELS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+# level -> the compiler flags setup.py builds it with (tests/test_native.py builds the kernel checks with them)
+BUILD_FLAGS: dict[str, dict[str, list[str]]] = {
+    "x86_64": {
+        "generic": ["-march=x86-64"],
+        "avx2": ["-march=x86-64-v3"],
+        "avx512": ["-march=x86-64-v4"],
+        "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+    },
+    "aarch64": {"generic": ["-march=armv8-a"]},
+}
+COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-mtune=generic"]
+
+
 class LevelError(ValueError):
     """A forced kernel level this machine cannot run (or that does not exist, or was not built)."""
 

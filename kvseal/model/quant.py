@@ -55,9 +55,14 @@ class Linear:
         self.gemm: Gemm | None = None
         if self.mode != "fp32" and gemm is not None and bias is None and gemm.fits(weight):
             self.gemm = gemm
-        # what F.linear computes with when the GEMM does not run: the weights this mode stands for
-        self.plain = weight if self.mode == "fp32" or weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16).to(weight.dtype)
+        # what F.linear computes with where the GEMM does not run: the weights this mode stands for (an fp32
+        # model's bf16 weights as an fp32 copy of the rounded values; none is kept where the GEMM runs)
+        self.plain = None if self.gemm is not None else self._mode_weight()
         self.packed = self.gemm.pack(weight) if self.gemm is not None else prepack(self.plain)
+
+    def _mode_weight(self) -> torch.Tensor:
+        w = self.weight
+        return w if self.mode == "fp32" or w.dtype == torch.bfloat16 else w.to(torch.bfloat16).to(w.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode in ("fp32", "bf16") or x.shape[0] > self.small_rows:
@@ -77,7 +82,7 @@ class Linear:
             return (self.q.float() * self.scales.float()[:, None]).to(self.weight.dtype)
         if self.mode == "int4":
             return dequantize_int4(*int4_codes(self.weight)).to(self.weight.dtype)
-        return self.plain
+        return self._mode_weight()
 
 
 def prepack(w: torch.Tensor) -> torch.Tensor | None:

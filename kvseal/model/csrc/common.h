@@ -30,7 +30,28 @@ inline void from_f32(float x, uint16_t* out) {  // round to nearest even, as tor
 
 // x[i] = exp(x[i] - shift) for i < n. The softmax's exponentials were most of the kernel's time as scalar
 // std::exp calls; with AVX-512 this is Cephes' expf (Cody-Waite reduction by ln 2, degree-5 polynomial, about
-// 1 ulp) on 16 lanes, scaled by 2^k with vscalefps. Elsewhere, the scalar std::exp.
+// 1 ulp) on 16 lanes, scaled by 2^k with vscalefps; with AVX2 the same on 8 lanes, scaled through the
+// exponent bits (inputs clamped to [-87, 88], where 2^k stays a normal float: below, exp is < 2e-38 and the
+// softmax term is nothing next to its maximum's 1). Elsewhere, the scalar std::exp.
+#if defined(__AVX2__)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 #if defined(__AVX512F__)
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  // exp underflows to 0 below here anyway
@@ -84,6 +105,13 @@ inline void exp_shifted(float* x, int64_t n, float shift) {
     const __m512 v = _mm512_maskz_loadu_ps(live, x + i);
     _mm512_mask_storeu_ps(x + i, live, exp16(_mm512_sub_ps(v, sh)));
   }
+}
+#elif defined(__AVX2__)
+inline void exp_shifted(float* x, int64_t n, float shift) {
+  const __m256 sh = _mm256_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh)));
+  for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
 }
 #else
 inline void exp_shifted(float* x, int64_t n, float shift) {

@@ -68,11 +68,11 @@ void rope_store(T* qkv, int64_t n, int64_t row_stride, int64_t heads, int64_t kv
     for (; h < heads + kv_heads; ++h) {
       T* x = row + h * dim;
       for (int64_t d = 0; d < dim; ++d) tmp[d] = to_f32(x[d]);
-      for (int64_t d = 0; d < dim; ++d) {
-        const float a = rounded(tmp[d] * to_f32(c[d]), x);
-        const float b = rounded(tmp[d < half ? d + half : d - half] * to_f32(s[d]), x);
-        from_f32(a + b, x + d);
-      }
+      // the two halves apart (each one's partner is the other half), so the compiler vectorizes both loops
+      for (int64_t d = 0; d < half; ++d)
+        from_f32(rounded(tmp[d] * to_f32(c[d]), x) + rounded(tmp[d + half] * to_f32(s[d]), x), x + d);
+      for (int64_t d = half; d < dim; ++d)
+        from_f32(rounded(tmp[d] * to_f32(c[d]), x) + rounded(tmp[d - half] * to_f32(s[d]), x), x + d);
     }
     const int64_t page = slots[i] / page_size, off = slots[i] % page_size;
     T* dst = kv + (page * layers + layer) * 2 * kv_heads * head_rows + off * dim;
@@ -105,6 +105,15 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
         const __m512 uv = _mm512_loadu_ps(reinterpret_cast<const float*>(u + d));
         const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
         _mm512_storeu_ps(reinterpret_cast<float*>(o + d), _mm512_mul_ps(sv, uv));
+      }
+    }
+#elif defined(__AVX2__)
+    if constexpr (sizeof(T) == 4) {  // fp32 (--dtype auto without bf16 dot products): 8 lanes, exp8
+      for (; d + 8 <= inter; d += 8) {
+        const __m256 gv = _mm256_loadu_ps(reinterpret_cast<const float*>(g + d));
+        const __m256 uv = _mm256_loadu_ps(reinterpret_cast<const float*>(u + d));
+        const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(reinterpret_cast<float*>(o + d), _mm256_mul_ps(sv, uv));
       }
     }
 #endif
