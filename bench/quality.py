@@ -1,6 +1,8 @@
 """What the weight modes cost in quality: perplexity on ``tests/data/passage.txt`` and greedy agreement with
-bf16 on a set of chat prompts, each mode forced on every row (``small_rows`` unbounded), so the figure is
-the quantized weights' own, not a mix. Writes bench/out/quality.json.
+the first mode of each dtype on a set of chat prompts, each mode forced on every row (``small_rows``
+unbounded), so the figure is the quantized weights' own, not a mix. bf16: bf16, int8, int4 against bf16;
+fp32: exact fp32 weights against bf16 weights read in fp32 (what ``--dtype auto`` runs on a CPU without bf16
+dot products). Writes bench/out/quality.json.
 
     .venv/bin/python bench/quality.py [--tokens 64]
 """
@@ -56,15 +58,20 @@ def greedy(lm, runner: Runner, pool: PagePool, ids: list[int], n: int) -> list[i
 
 
 def measure(n_tokens: int) -> dict:
-    lm = load(None, torch.bfloat16, progress=False)
+    return {"bf16": measure_dtype(torch.bfloat16, ("bf16", "int8", "int4"), n_tokens),
+            "fp32": measure_dtype(torch.float32, ("fp32", "bf16"), n_tokens)}
+
+
+def measure_dtype(dtype: torch.dtype, modes: tuple[str, ...], n_tokens: int) -> dict:
+    lm = load(None, dtype, progress=False)
     m = lm.model.cfg
-    pool = PagePool(PoolConfig(num_pages=256), m.num_layers, m.num_kv_heads, m.head_dim, torch.bfloat16)
+    pool = PagePool(PoolConfig(num_pages=256), m.num_layers, m.num_kv_heads, m.head_dim, dtype)
     runner = Runner(lm.model, pool)
     text = lm.tokenizer.encode(PASSAGE.read_text(), add_special_tokens=False)
     prompts = [list(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                      tokenize=True, return_dict=False)) for p in PROMPTS]
     res, ref = {}, None
-    for mode in ("bf16", "int8", "int4"):
+    for mode in modes:
         lm.model.use_weights(mode, small_rows=1 << 30)
         nll = F.cross_entropy(logits_all(lm, runner, pool, text)[:-1], torch.tensor(text[1:]))
         outs = [greedy(lm, runner, pool, p, n_tokens) for p in prompts]

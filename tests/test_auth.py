@@ -231,6 +231,9 @@ def test_a_forged_flood_leaves_memory_flat_and_honest_traffic_served():
         assert complete(t.url, "One, two,").status_code == 200
         h = t.dec.health()
         assert h["leases"] == 0 and h["free_pages"] == h["total_pages"]
+        # what runs there (kvseal.machine) for signed callers only; an unsigned probe learns liveness
+        assert h["machine"]["kernels_why"] and h["machine"]["dtype"] in ("bf16", "fp32") and h["machine"]["cpu"]
+        assert "machine" in t.pre.health() and httpx.get(t.dec.url + "/health").json() == {"status": "ok"}
         r = signed("POST", t.dec.url + "/kv/commit", role="prefill", body=b'{"rid": 5, "nonce": 1, "n_tokens": 1, '
                    b'"first_token": 0, "pages": [0], "generations": [0], "checksum": ""}')
         assert r.status_code == 403 and t.dec.health()["leases"] == 0  # signed, but no capability: no state

@@ -144,3 +144,15 @@ def test_a_server_at_the_avx2_level_answers(tmp_path):
         s.stop()
     log = s.proc.stdout.read()
     assert "kernels avx2 (forced by KVSEAL_ISA=avx2)" in log and "dtype fp32 (auto" in log and "weights bf16" in log
+
+
+def test_workers_that_compute_in_different_dtypes_refuse_the_transfer_by_name():
+    """``--dtype auto`` can pick bf16 on one host and fp32 on another: the lease carries the decode pool's dtype
+    and prefill refuses to write into a pool of another type, naming it (the checksum would catch the bytes
+    anyway, as a bare integrity failure), and no page stays taken."""
+    from conftest import Trio, complete, wait_pages_back
+    worker = ["--kv-pool-tokens", "4096", "--context", "2048"]
+    with Trio(worker, prefill=["--dtype", "bf16"], decode=["--dtype", "fp32"]) as t:
+        r = complete(t.url, "One, two,")
+        assert r.status_code >= 500 and "decode pool holds float32, this worker computes bfloat16" in r.text, r.text
+        wait_pages_back(t.dec)

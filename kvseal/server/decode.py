@@ -289,7 +289,7 @@ class DecodeService:
         self._on_loop(acts)
         return P.Lease(rid=r.rid, nonce=cap.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
-                       layout=list(self.pool.kv.shape), cap=cap)
+                       layout=list(self.pool.kv.shape), cap=cap, dtype=str(self.pool.kv.dtype).removeprefix("torch."))
 
     async def _take_pages(self, rid: int, need: int, tenant: int) -> PageRun:
         """The prompt's pages, RESERVED for the lease (decode grows them as it generates). A pool that has

@@ -161,6 +161,9 @@ class PrefillService:
         mine = list(self.engine.pool.kv.shape)
         if lease.layout[1:] != mine[1:]:  # page count may differ; a page's shape may not
             raise ValueError(f"decode pool layout {lease.layout} does not match this worker's {mine}")
+        dtype = str(self.engine.pool.kv.dtype).removeprefix("torch.")
+        if lease.dtype and lease.dtype != dtype:  # e.g. --dtype auto on two hosts whose CPUs differ
+            raise ValueError(f"decode pool holds {lease.dtype}, this worker computes {dtype}: give both --dtype")
         if not self.faults.fire("skip_page_write"):
             self.writer.write(self.engine.pool.kv, src, lease.target, lease.layout, dst)
         if self.faults.fire("corrupt_page_write"):

@@ -77,6 +77,8 @@ class Lease(Msg):
     target: str  # transport address of the decode pool (shm path or mooncake session)
     layout: list[int]  # pool shape, checked by the writer
     cap: Capability | None = None
+    dtype: str = ""  # the pool's element type ("bfloat16", "float32"), checked by the writer: --dtype auto can
+    # resolve differently on hosts with different CPUs
 
 
 class Prefill(Msg):
