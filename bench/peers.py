@@ -141,7 +141,7 @@ def measure(url: str, cases: list[tuple[int, int, int]], text: bool = False) -> 
     for streams, prompt, output in cases:
         try:
             r = asyncio.run(level(url, MODEL, streams, prompt, output, 1, **kw))
-        except RuntimeError as e:  # a failed request fails the case, recorded; the others still run
+        except (RuntimeError, httpx.HTTPError) as e:  # a failed request fails the case, recorded; the others run
             out[f"{streams}x{prompt}->{output}"] = {"error": str(e)[:300]}
             continue
         if output == 1:
@@ -262,6 +262,7 @@ def main() -> None:
                 p.stop()
             if name.startswith("kvseal"):
                 start_lines[name] = next((ln for ln in log.read_text().splitlines() if ln.startswith("kvseal: ")), "")
+            out.with_suffix(".partial.json").write_text(json.dumps({"start_lines": start_lines, "runs": runs}))
             print(name, json.dumps({c: round(r.get("output_tok_s", -1), 1) for c, r in runs[name][-1].items()}),
                   flush=True)
     from kvseal.machine import facts

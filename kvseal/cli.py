@@ -160,19 +160,23 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
     try:
-        _start(a)
+        check(a)
     except (LevelError, ValueError) as e:  # a forced kernel level this CPU cannot run, flags that cannot go together
-        if a.cmd not in ("serve", "prefill", "decode", "preflight", "env"):
-            raise
         sys.exit(f"kvseal {a.cmd}: {e}")
+    _start(a)
 
 
-def _start(a: argparse.Namespace) -> None:
+def check(a: argparse.Namespace) -> None:
+    """What can be refused before anything starts: the kernel level (KVSEAL_ISA) and the dtype/weights pair."""
+    if a.cmd in ("serve", "prefill", "decode", "preflight", "env"):
+        choice()
     if a.cmd in ("serve", "prefill", "decode"):
         from kvseal.engine.build import resolve
 
-        choice()
         resolve(worker_spec(a))
+
+
+def _start(a: argparse.Namespace) -> None:
     if a.cmd == "serve" and a.colocated:
         from kvseal.server.colocated import serve
 
