@@ -102,3 +102,25 @@ def test_plain_greedy_rows_skip_processing():
     rows = [row(), row()]
     assert [t for t, _ in sample(x, rows)] == x.argmax(-1).tolist()
     assert all(lp is None for _, lp in sample(x, rows))
+
+
+def test_the_grammar_mask_allows_exactly_the_bits_llguidance_sets(bf16_model):
+    """``mask_row`` (eager ops, no torch.compile) leaves finite exactly the tokens whose bit llguidance set, by an
+    independent unpacking (numpy, little-endian bits), at the start of a JSON object and after a few tokens."""
+    import llguidance.torch as llt
+    import numpy as np
+
+    from kvseal.engine.grammar import Grammars, compile_response_format, mask_row
+    vocab = bf16_model.model.cfg.vocab_size
+    grammar = compile_response_format({"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}})
+    replay = bf16_model.tokenizer.encode('{"name":"A', add_special_tokens=False)
+    for prefix in ([], replay):
+        m = Grammars(bf16_model.tokenizer, vocab).matcher(grammar, prefix)
+        bits = llt.allocate_token_bitmask(1, vocab)
+        llt.fill_next_token_bitmask(m, bits, 0)
+        want = np.unpackbits(bits.numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
+        row = torch.zeros(vocab)
+        mask_row(m, row)
+        got = torch.isfinite(row).numpy()
+        assert 0 < want.sum() < vocab and (got == want).all(), (want.sum(), got.sum())

@@ -64,7 +64,14 @@ class Grammars:
 
 
 def mask_row(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
-    """Set every token the grammar cannot accept next to -inf, in place (row [V], fp32)."""
-    bits = llt.allocate_token_bitmask(1, row.numel())
+    """Set every token the grammar cannot accept next to -inf, in place (row [V], fp32).
+
+    llguidance fills a bitmask (bit t of word t // 32: token t allowed); the bits are unpacked here with eager
+    PyTorch ops, not with ``llguidance.torch.apply_token_bitmask_inplace``: that is a ``torch.compile`` kernel,
+    which needs a C++ compiler at run time (kvseal runs without one), and Inductor's cache hands a kernel built
+    under one ``ATEN_CPU_CAPABILITY`` to a process under another (seen here: wrong masks, then a corrupted heap)."""
+    n = row.numel()
+    bits = llt.allocate_token_bitmask(1, n)
     llt.fill_next_token_bitmask(matcher, bits, 0)
-    llt.apply_token_bitmask_inplace(row[None], bits)
+    allowed = ((bits[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)[:n].bool()
+    row.masked_fill_(~allowed, float("-inf"))
