@@ -2,7 +2,7 @@
 library with a C ABI each, loaded with ctypes; ``kvseal.model.cpu`` picks one at run time from the CPU's
 features). All metadata is in pyproject.toml.
 
-Never ``-march=native``: a library built on one x86-64 machine must load on any other, so each level names
+Never tuned to the build machine (no native -march): a library built on one x86-64 machine must load on any other, so each level names
 its instructions (x86-64-v3 for AVX2 + FMA, x86-64-v4 for AVX-512, plus AVX-512 BF16; the table is
 ``kvseal.model.cpu.BUILD_FLAGS``) and ``-mtune=generic``.
 Every level is optional: without a C++ compiler (or one too old for a level's flags) the install still
