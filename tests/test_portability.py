@@ -17,7 +17,7 @@ from kvseal.model import cpu
 from kvseal.model.quant import prepack
 
 ROOT = Path(__file__).resolve().parent.parent
-ZEN1 = frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c", "bmi2", "sha_ni"})  # an AVX2-only EPYC, as /proc/cpuinfo lists it
+ZEN1 = frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "sha_ni"})  # an AVX2-only EPYC, as /proc/cpuinfo lists it
 
 
 @pytest.fixture
@@ -33,14 +33,15 @@ def fresh_choice(monkeypatch):
 
 def test_levels_follow_the_cpu_features():
     assert cpu.runnable(ZEN1, "x86_64") == ["generic", "avx2"]
-    zen4 = ZEN1 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}
+    zen4 = ZEN1 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
+    assert cpu.runnable(ZEN1 - {"bmi2"}, "x86_64") == ["generic"]  # x86-64-v3 code may use BMI2
     assert cpu.runnable(zen4, "x86_64") == ["generic", "avx2", "avx512", "avx512_bf16"]
     assert cpu.runnable(zen4 - {"avx512_bf16"}, "x86_64")[-1] == "avx512"  # Skylake-X .. Ice Lake
     assert cpu.runnable(frozenset({"asimd"}), "aarch64") == ["generic"]
 
 
 def test_a_level_the_cpu_cannot_run_is_refused_naming_what_it_lacks():
-    with pytest.raises(cpu.LevelError, match="lacks avx512f, avx512bw, avx512dq, avx512vl, avx512_bf16"):
+    with pytest.raises(cpu.LevelError, match="lacks avx512f, avx512bw, avx512cd, avx512dq, avx512vl, avx512_bf16"):
         cpu.check_level("avx512_bf16", ZEN1, "x86_64")
     with pytest.raises(cpu.LevelError, match="not a kernel level of x86_64"):
         cpu.check_level("neon", ZEN1, "x86_64")

@@ -21,14 +21,12 @@ import os
 import platform
 from dataclasses import dataclass
 
-# level -> the /proc/cpuinfo flags it needs, per architecture, lowest first
+# level -> the /proc/cpuinfo flags it needs, per architecture, lowest first: everything its -march lets the
+# compiler emit (x86-64-v3 also allows BMI1/2, MOVBE and LZCNT, listed as "abm"; v4 adds AVX-512 CD)
+_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
+_V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 LEVELS: dict[str, dict[str, tuple[str, ...]]] = {
-    "x86_64": {
-        "generic": (),
-        "avx2": ("avx2", "fma", "f16c"),
-        "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"),
-        "avx512_bf16": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"),
-    },
+    "x86_64": {"generic": (), "avx2": _V3, "avx512": _V4, "avx512_bf16": (*_V4, "avx512_bf16")},
     "aarch64": {"generic": ()},
 }
 
