@@ -11,7 +11,8 @@ decode with SIGKILL and restarts it at seeded points of the run.
 
 Checked on every answer:
 - **leaks**: no output carries another tenant's canary; a tenant's first request with the public prompt reads
-  no cached tokens;
+  no cached tokens (the tenant's later public requests wait for that first one: a request sent a moment after it
+  can reach prefill first and fill the tenant's own cache, a race the CI soak once lost);
 - **wrong statuses**: an over-long prompt is never a 200 (400, or 429/503 while no worker is up); every other
   request is a 200, a capacity or fault answer (429/503), or an integrity failure (500); a 200 reports the
   prompt's true token count (a placeholder would not);
@@ -90,7 +91,14 @@ def soak(seed: int, requests: int, clients: int = 8, kills: int | None = None, d
     findings: list[str] = []
     codes: collections.Counter = collections.Counter()
     stats = collections.Counter()
-    public_seen: set[int] = set()
+    # A tenant's first public-prompt request (in plan order) is its pioneer: the tenant's later public requests
+    # wait until it has finished, so nothing of the tenant's own can have filled the cache before it. (Marking
+    # "first" when a client thread starts is racy: the next request's prefill can overtake it.)
+    pioneer: dict[int, int] = {}
+    for job in jobs:
+        if job["base"] == "public" and job["kind"] != "overlong":
+            pioneer.setdefault(job["tenant"], job["i"])
+    pioneer_done = {tenant: threading.Event() for tenant in pioneer}
     lock = threading.Lock()
     done = [0]
     t_start = time.time()
@@ -105,14 +113,19 @@ def soak(seed: int, requests: int, clients: int = 8, kills: int | None = None, d
             return counts[text]
 
         def one(job: dict) -> None:
+            is_pioneer = pioneer.get(job["tenant"]) == job["i"]
+            if job["base"] == "public" and job["kind"] != "overlong" and not is_pioneer:
+                pioneer_done[job["tenant"]].wait(HUNG_S + RETRY_S)  # the pioneer runs already: queued earlier
+            try:
+                one_request(job, is_pioneer and job["kind"] == "normal")
+            finally:
+                if is_pioneer:
+                    pioneer_done[job["tenant"]].set()
+
+        def one_request(job: dict, first_public: bool) -> None:
             key = f"key-{job['tenant']}"
             body = {"model": MODEL, "prompt": job["prompt"], "max_tokens": job["max_tokens"], "temperature": 0}
             headers = {"Authorization": f"Bearer {key}"}
-            first_public = False
-            if job["base"] == "public" and job["kind"] != "overlong":  # any request of it may fill the cache
-                with lock:
-                    first_public = job["tenant"] not in public_seen and job["kind"] == "normal"
-                    public_seen.add(job["tenant"])
             t0 = time.time()
             status, out = -1, {}
             try:
