@@ -18,6 +18,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec
+from kvseal.model.arch import ConfigError
 from kvseal.model.cpu import LevelError, choice
 
 UNSAFE_FLAGS = {n: f"--unsafe-no-{n.replace('_', '-')}" for n in Protections.NAMES}
@@ -163,7 +164,10 @@ def main(argv: list[str] | None = None) -> None:
         check(a)
     except (LevelError, ValueError) as e:  # a forced kernel level this CPU cannot run, flags that cannot go together
         sys.exit(f"kvseal {a.cmd}: {e}")
-    _start(a)
+    try:
+        _start(a)
+    except ConfigError as e:  # found only while loading (a GGUF file's keys): still one line, no traceback
+        sys.exit(f"kvseal {a.cmd}: {e}")
 
 
 def check(a: argparse.Namespace) -> None:
@@ -172,8 +176,10 @@ def check(a: argparse.Namespace) -> None:
         choice()
     if a.cmd in ("serve", "prefill", "decode"):
         from kvseal.engine.build import resolve
+        from kvseal.model.loader import inspect
 
         resolve(worker_spec(a))
+        inspect(a.model)  # a checkpoint kvseal cannot serve exactly: refused before any process starts
 
 
 def _start(a: argparse.Namespace) -> None:

@@ -14,7 +14,11 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama, SmolLM2, Qwen2-style)."""
+    """Shape and arithmetic of a Llama-family decoder: Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5/3, Gemma 2/3,
+    Phi-3 (``kvseal.model.arch`` reads a checkpoint's config into this and refuses what it cannot honour).
+
+    Fields past ``eos_token_ids`` describe where a family departs from plain Llama; their defaults are Llama's.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -30,12 +34,45 @@ class ModelConfig:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # RoPE scaling in Hugging Face's ``rope_parameters`` form (rope_type + its parameters); None = plain RoPE
+    rope: dict | None = None
+    # RoPE of sliding-window layers where it differs from the global one (Gemma 3's local layers)
+    rope_local: dict | None = None
+    layer_windows: tuple[int, ...] = ()  # per layer: a token sees this many positions, itself included; 0 = all
+    attn_softcap: float = 0.0  # scores = cap * tanh(scores / cap) before the softmax (Gemma 2); 0 = none
+    final_softcap: float = 0.0  # the same on the output logits
+    attn_scale: float = 0.0  # scores' scale; 0 = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    norm_offset: bool = False  # RMSNorm multiplies by (1 + weight), in fp32 (Gemma)
+    act: str = "silu"  # the gate's activation: silu | gelu_tanh
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) in the model's dtype (Gemma)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms on attention's and the MLP's outputs too (Gemma 2/3)
+    o_bias: bool = False  # o_proj has a bias (Llama attention_bias)
+    mlp_bias: bool = False  # gate/up/down have biases (Llama mlp_bias)
+
+    @property
+    def plain(self) -> bool:
+        """Plain Llama arithmetic (RoPE scaling and q/k/v biases aside), which the native kernels implement;
+        any other model runs the plain-PyTorch reference layers."""
+        return (not any(0 < w < self.max_context for w in self.layer_windows) and not self.attn_softcap
+                and not self.final_softcap and not self.attn_scale and not self.norm_offset and self.act == "silu"
+                and not self.embed_scale and not self.qk_norm and not self.sandwich_norms and not self.o_bias
+                and not self.mlp_bias and self.rope_local is None)
+
+    def window(self, layer: int) -> int:
+        """How many positions a token of ``layer`` sees (itself included), or 0 for all of them."""
+        w = self.layer_windows[layer] if self.layer_windows else 0
+        return w if 0 < w < self.max_context else 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even for RoPE")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows names {len(self.layer_windows)} layers, the model has {self.num_layers}")
+        if self.act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation {self.act!r} is not supported (silu, gelu_tanh)")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V, all layers, for one token."""

@@ -88,7 +88,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     pool_cfg = PoolConfig(num_pages=tokens // spec.page_size, page_size=spec.page_size,
                           scrub_on_free=spec.scrub_on_free)
     kv = storage(pool_cfg, m, dtype) if storage else None
-    pool = PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv)
+    pool = off_main_thread(lambda: PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv))
     cfg = EngineConfig(pool=pool_cfg, dtype=dtype_name, max_running=spec.max_running,
                        step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, prefix_cache=spec.prefix_cache, protections=spec.protections)

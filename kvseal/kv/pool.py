@@ -81,7 +81,9 @@ class PagePool:
         self.cfg = cfg
         shape = kv_shape(cfg, num_layers, kv_heads, head_dim)
         if storage is None:
-            storage = torch.empty(shape, dtype=dtype)
+            # zeros, not empty: attention multiplies a masked slot's value by a zero weight, and a never-written
+            # slot holding a NaN bit pattern (malloc'd memory) would turn that product into NaN
+            storage = torch.zeros(shape, dtype=dtype)
         populate(storage)  # page faults now, not in the first requests' forwards (kvseal.memory)
         if tuple(storage.shape) != shape or storage.dtype != dtype:
             raise ValueError(f"pool storage {tuple(storage.shape)}/{storage.dtype} != {shape}/{dtype}")

@@ -11,6 +11,12 @@ consecutive rows of one request. Linear layers run on all ``N`` rows at once; on
   is causal SDPA over its own fresh keys and values (nothing in the pool is read), a later chunk is SDPA over
   its pages gathered from the pool, masked so token ``t`` sees positions ``<= pos0+t``.
 
+A layer with a sliding window, soft-capped scores or a scale other than ``head_dim ** -0.5`` (``LayerShape``:
+Mistral, Qwen2's windowed layers, Gemma 2/3, Phi-3) takes ``shaped_attention`` instead, for decode rows and
+prefill chunks alike: the same gathered pages, scores computed in fp32, capped, masked to the window
+(a token at position ``p`` sees ``p - window + 1 .. p``) and to causality. Those models never reach the kernel
+(``ModelConfig.plain``).
+
 The pool is page-major, ``kv[page, layer, 0|1, kv_head, offset, head_dim]`` (``kvseal.kv.pool``): one
 layer's keys for one head of one page are a contiguous ``[page_size, head_dim]`` row, so a gather is one
 ``index_select`` of rows straight into ``[B, KVH, P * page_size, D]``.
@@ -32,6 +38,16 @@ class Span:
     n: int
     pos0: int
     pages: torch.Tensor  # [P] int64
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one layer's attention computes beyond plain causal attention."""
+
+    window: int = 0  # a token sees this many positions, itself included; 0 = all
+    softcap: float = 0.0  # scores = softcap * tanh(scores / softcap); 0 = none
+    scale: float = 0.0  # the scores' scale
+    plain: bool = True  # none of the above: the SDPA / kernel paths apply
 
 
 @dataclass
@@ -87,15 +103,41 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ma
     return out.reshape(bsz, heads * dim)
 
 
+def shaped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor,
+                     n_ctx: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+    """q [B, T, H, D] at positions ``pos`` [B, T]; keys/vals [B, KVH, L, D] (slot ``j`` holds position ``j``),
+    ``n_ctx`` [B] valid slots → [B, T, H*D]. Each query sees positions ``<= pos``, ``< n_ctx``, and within the
+    layer's window; scores in fp32, soft-capped before the mask, as transformers' eager attention."""
+    bsz, t, heads, dim = q.shape
+    kvh, length = keys.shape[1], keys.shape[2]
+    qg = q.permute(0, 2, 1, 3).reshape(bsz, kvh, heads // kvh * t, dim)  # [B, KVH, G*T, D]
+    scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * shape.scale  # [B, KVH, G*T, L]
+    if shape.softcap:
+        scores = torch.tanh(scores / shape.softcap) * shape.softcap
+    j = torch.arange(length)[None, None, :]
+    p = pos[:, :, None]
+    allowed = (j <= p) & (j < n_ctx[:, None, None])
+    if shape.window:
+        allowed &= j > p - shape.window
+    allowed = allowed[:, None, None].expand(bsz, 1, heads // kvh, t, length).reshape(bsz, 1, -1, length)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(vals.dtype)
+    out = torch.matmul(probs, vals)  # [B, KVH, G*T, D]
+    return out.view(bsz, heads, t, dim).permute(0, 2, 1, 3).reshape(bsz, t, heads * dim)
+
+
 class PagedAttention:
     """Attention for one forward pass: the per-step metadata is built once here and reused by every layer."""
 
-    def __init__(self, kv: torch.Tensor, decode: DecodeRows | None, spans: list[Span], kernel: object = None) -> None:
+    def __init__(self, kv: torch.Tensor, decode: DecodeRows | None, spans: list[Span], kernel: object = None,
+                 shapes: list[LayerShape] | None = None) -> None:
         self.kv = kv
         self.decode = decode
         self.spans = spans
+        self.shapes = shapes
         # kvseal.model.kernels.DecodeKernel, or None for the plain PyTorch path
         self.kernel = kernel if kernel is not None and kernel.fits(kv) else None
+        if shapes is not None and not all(s.plain for s in shapes):
+            self.kernel = None
         if decode is not None and self.kernel is None:
             n_ctx = decode.pages.shape[1] * kv.shape[4]
             self.d_rows = gather_rows(kv, decode.pages)
@@ -106,6 +148,8 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, H, D], this step's k/v [N, KVH, D] (already in the pool) → [N, H*D]."""
+        if self.shapes is not None and not self.shapes[layer].plain:
+            return self._shaped(layer, q, self.shapes[layer])
         outs = []
         if self.decode is not None:
             outs.append(self._decode(layer, q[: self.decode.n]))
@@ -127,6 +171,21 @@ class PagedAttention:
                 ks, vs = gather_kv(self.kv, rows, layer, 0), gather_kv(self.kv, rows, layer, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             outs.append(o[0].transpose(0, 1).reshape(s.n, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _shaped(self, layer: int, q: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+        """Every row through ``shaped_attention``, reading the pool (this step's keys are already there)."""
+        outs = []
+        if self.decode is not None:
+            d = self.decode
+            keys, vals = gather_kv(self.kv, self.d_rows, layer, 0), gather_kv(self.kv, self.d_rows, layer, 1)
+            outs.append(shaped_attention(q[: d.n, None], keys, vals, (d.lens - 1)[:, None], d.lens, shape)[:, 0])
+        for s in self.spans:
+            rows = gather_rows(self.kv, s.pages[None])
+            keys, vals = gather_kv(self.kv, rows, layer, 0), gather_kv(self.kv, rows, layer, 1)
+            pos = (s.pos0 + torch.arange(s.n))[None]
+            n_ctx = torch.tensor([s.pos0 + s.n])
+            outs.append(shaped_attention(q[s.start: s.start + s.n][None], keys, vals, pos, n_ctx, shape)[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:

