@@ -20,6 +20,7 @@ from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec
 from kvseal.model.arch import ConfigError
 from kvseal.model.cpu import LevelError, choice
+from kvseal.server.served import add_front_args
 
 UNSAFE_FLAGS = {n: f"--unsafe-no-{n.replace('_', '-')}" for n in Protections.NAMES}
 
@@ -31,7 +32,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pool-tokens", type=int, default=None, help="pool size in tokens")
     p.add_argument("--kv-memory", type=float, default=1.5, help="pool memory in GiB (if no --kv-pool-tokens)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--context", type=int, default=None, help="served context (default: the model's)")
+    p.add_argument("--context", "--max-model-len", dest="context", type=int, default=None,
+                   help="served context (default: the model's)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer (HF directory or GGUF file) "
+                   "other than the checkpoint's")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the checkpoint's shape (sizing, benchmarks), as vLLM's")
     p.add_argument("--allow-pool-below-context", action="store_true",
                    help="cap the served context at the pool instead of refusing to start")
     p.add_argument("--max-running", type=int, default=64)
@@ -78,7 +84,7 @@ def worker_spec(a: argparse.Namespace) -> WorkerSpec:
                       max_running=a.max_running, step_token_budget=a.step_token_budget, weights=a.weights,
                       threads=a.threads, share_cores=core_lock(a.share_cores, a.threads),
                       scrub_on_free=a.scrub_on_free, prefix_cache=a.prefix_cache == "on",
-                      protections=protections(a))
+                      protections=protections(a), tokenizer=a.tokenizer, load_format=a.load_format)
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +112,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
     s.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
     s.add_argument("--insecure-no-auth", action="store_true", help=argparse.SUPPRESS)
+    add_front_args(s)
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"a {role} worker")
         add_worker_args(w)
@@ -126,7 +133,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
     r.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
-    r.add_argument("--model", default=None, help="tokenizer source (default: SmolLM2-135M-Instruct)")
+    r.add_argument("--model", default=None, help="the checkpoint the workers serve: its name, tokenizer, "
+                   "generation config (default: SmolLM2-135M-Instruct)")
+    r.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer other than the checkpoint's")
+    add_front_args(r)
     r.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker is failed")
     r.add_argument("--probe-timeout", type=float, default=5.0,
                    help="health-probe timeout; a worker that answered real work recently stays in service")
@@ -174,6 +184,10 @@ def check(a: argparse.Namespace) -> None:
     """What can be refused before anything starts: the kernel level (KVSEAL_ISA) and the dtype/weights pair."""
     if a.cmd in ("serve", "prefill", "decode", "preflight", "env"):
         choice()
+    if a.cmd in ("serve", "router"):
+        from kvseal.server.served import check_front
+
+        check_front(a)
     if a.cmd in ("serve", "prefill", "decode"):
         from kvseal.engine.build import resolve
         from kvseal.model.loader import inspect
@@ -186,7 +200,7 @@ def _start(a: argparse.Namespace) -> None:
     if a.cmd == "serve" and a.colocated:
         from kvseal.server.colocated import serve
 
-        serve(worker_spec(a), a.host, a.port, a.api_key, a.api_keys)
+        serve(worker_spec(a), a.host, a.port, a.api_key, a.api_keys, front_args=a)
     elif a.cmd == "serve":
         from kvseal.server.launch import serve_disaggregated
 
@@ -225,10 +239,10 @@ def run_preflight(a: argparse.Namespace) -> None:
 
     from kvseal.config import DTYPES
     from kvseal.kv.preflight import pool_tokens_for, preflight
-    from kvseal.model.loader import default_model_path, gguf_config
+    from kvseal.model.loader import default_model_path, gguf_config, inspect
 
     path = a.model or str(default_model_path())
-    cfg = gguf_config(gguf.GGUFReader(path))
+    cfg = inspect(path) or gguf_config(gguf.GGUFReader(path))  # an HF directory, or a GGUF file
     from kvseal.model.cpu import resolve_dtype
 
     dtype = DTYPES[resolve_dtype(a.dtype)[0]]

@@ -267,3 +267,81 @@ def test_served_disaggregated_over_http_it_answers_as_transformers(name, root, t
         assert out.usage.prompt_tokens == 30
     finally:
         s.stop()
+
+
+# -- vLLM's model flags -----------------------------------------------------------------------------------
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_vllm_model_flags_reach_the_front_door(mode, root, tokenizer_dir, tmp_path):
+    """--served-model-name (two names), --max-model-len, --generation-config (its defaults apply where a request
+    is silent, a request's own values win), in both modes (the launcher hands the front door's flags to the
+    router); the chat template comes from --chat-template (colocated) or from a --tokenizer that carries it
+    (disaggregated)."""
+    import httpx
+    from conftest import Server
+
+    d = checkpoint(root, tokenizer_dir, "qwen3")
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5, "top_k": 20}))
+    if mode == "colocated":
+        (tmp_path / "t.jinja").write_text(TEMPLATE)
+        template = ["--colocated", "--chat-template", str(tmp_path / "t.jinja")]
+    else:
+        t = load_tokenizer(tokenizer_dir)
+        t.chat_template = TEMPLATE
+        t.save_pretrained(str(tmp_path / "tok2"))
+        template = ["--tokenizer", str(tmp_path / "tok2")]
+    s = Server(["serve", *template, "--model", str(d), "--dtype", "fp32", "--kv-pool-tokens", "4096",
+                "--max-model-len", "128", "--served-model-name", "small", "small-alias", "--generation-config", str(gen)])
+    try:
+        models = httpx.get(s.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["small", "small-alias"]
+        assert all(m["max_model_len"] == 128 and m["root"] == str(d) for m in models)
+        tok = load_tokenizer(d)
+        ids = httpx.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert ids == tok.encode("<<hi>>", add_special_tokens=False)
+        prompt = tok.encode(TEXT, add_special_tokens=False)[:20]
+        with torch.no_grad():
+            ref = hf_model(d).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 20, dtype=torch.int64),
+                                       max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:]
+        for name in ("small", "small-alias"):  # temperature 0 and 5 tokens: the generation config's defaults
+            r = httpx.post(s.url + "/v1/completions", json={"model": name, "prompt": prompt}, timeout=60).json()
+            assert r["choices"][0]["text"] == tok.decode(ref.tolist()) and r["usage"]["completion_tokens"] == 5, r
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "small", "messages": [{"role": "user", "content": "hi"}]}).json()
+        assert r["usage"]["completion_tokens"] == 5 and r["usage"]["prompt_tokens"] == len(ids), r
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={"model": "small", "prompt": prompt, "max_tokens": 2}).json()
+        assert r["usage"]["completion_tokens"] == 2, "a request's own max_tokens wins"
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={"model": "big", "prompt": prompt})
+        assert r.status_code == 404 and "'small', 'small-alias'" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={"model": "small", "prompt": prompt * 7})
+        assert r.status_code == 400, "140 tokens past --max-model-len 128"
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja: No such file"),
+    (["--chat-template", "{% for m in messages %}"], "--chat-template: line 1"),
+    (["--generation-config", "/nonexistent"], "--generation-config /nonexistent: no generation_config.json"),
+])
+def test_bad_front_door_flags_are_refused_in_one_line(flags, says):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", "--port", "18996", *flags],
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and says in lines[0], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("source", ["gguf", "hf"])
+def test_dummy_weights_have_the_checkpoints_shapes_and_none_of_its_values(source, root, tokenizer_dir):
+    path = None if source == "gguf" else checkpoint(root, tokenizer_dir, "gemma2")
+    real, dummy = load(path, torch.float32, progress=False), load(path, torch.float32, progress=False, dummy=True)
+    assert real.model.cfg == dummy.model.cfg
+    pairs = [(real.model.w.embed, dummy.model.w.embed), (real.model.w.layers[0].wqkv, dummy.model.w.layers[0].wqkv)]
+    assert all(a.shape == b.shape and a.dtype == b.dtype and not torch.equal(a, b) for a, b in pairs)

@@ -38,6 +38,8 @@ class WorkerSpec:
     scrub_on_free: bool = False
     prefix_cache: bool = True
     protections: Protections = field(default_factory=Protections)
+    tokenizer: str | None = None  # a tokenizer other than the checkpoint's
+    load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shape)
 
 
 def off_main_thread(fn: Callable[[], object]) -> object:
@@ -79,7 +81,8 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
                  loaded: LoadedModel | None = None) -> tuple[Engine, LoadedModel, Sizing]:
     dtype_name, weights = resolve(spec)
     dtype = DTYPES[dtype_name]
-    lm = loaded or off_main_thread(lambda: load(spec.model, dtype))
+    lm = loaded or off_main_thread(lambda: load(spec.model, dtype, tokenizer=spec.tokenizer,
+                                                 dummy=spec.load_format == "dummy"))
     m = lm.model.cfg
     if lm.model.weights_mode != weights:
         off_main_thread(lambda: lm.model.use_weights(weights))

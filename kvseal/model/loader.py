@@ -56,10 +56,16 @@ class LoadedModel:
     path: Path
 
 
-def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
+def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True, tokenizer: str | Path | None = None,
+         dummy: bool = False) -> LoadedModel:
+    """The model in ``dtype`` with its tokenizer (or ``tokenizer``'s). ``dummy``: random weights of the
+    checkpoint's shape, nothing read but the config and the tensors' shapes (as vLLM's ``--load-format dummy``)."""
     p = Path(path) if path else default_model_path()
     cached = cache_dir(p) if p.is_file() else None
-    if cached is not None and (cached / DONE).exists():
+    if dummy:
+        cfg, raw = _shapes(p)
+        tok = load_tokenizer(Path(tokenizer) if tokenizer else p)
+    elif cached is not None and (cached / DONE).exists():
         cfg, raw, tok = _read_cache(cached)
     elif p.is_file() and p.suffix == ".gguf":
         cfg, raw = _read_gguf(p, progress)
@@ -73,6 +79,8 @@ def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True) -> 
         raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
     else:
         raise FileNotFoundError(f"{p}: expected a .gguf file or a directory with config.json")
+    if tokenizer is not None and not dummy:
+        tok = load_tokenizer(Path(tokenizer))
     if len(tok) > cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary only {cfg.vocab_size}: "
                           "they do not belong together")
@@ -239,8 +247,20 @@ def inspect(path: str | Path | None) -> ModelConfig | None:
     if n > cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {n} tokens, the model's vocabulary only {cfg.vocab_size}: "
                           "they do not belong together")
-    _assemble(cfg, raw, torch.float32)
+    _assemble(cfg, raw, torch.float32, check_only=True)
     return cfg
+
+
+def _shapes(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and every tensor's shape (on the meta device) of an HF directory or a GGUF file."""
+    if p.is_dir():
+        return _read_hf_dir(p, progress=False, meta=True)
+    import gguf
+
+    reader = gguf.GGUFReader(str(p))
+    cfg = gguf_config(reader)
+    return cfg, {_gguf_to_hf(t.name): torch.empty(tuple(reversed([int(d) for d in t.shape])), device="meta")
+                 for t in reader.tensors if t.name != "rope_freqs.weight"}
 
 
 def _read_hf_dir(p: Path, progress: bool, meta: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -299,9 +319,10 @@ def _shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
         raise ConfigError(f"tensor {name} has shape {list(t.shape)}, the config says {list(want)}")
 
 
-def _assemble(cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype) -> Weights:
+def _assemble(cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype, check_only: bool = False) -> Weights:
     """The model's weights in ``dtype``, each tensor checked against the config's shapes; a missing or
-    mis-shaped tensor, or one left over (the config does not describe the checkpoint), is a ``ConfigError``."""
+    mis-shaped tensor, or one left over (the config does not describe the checkpoint), is a ``ConfigError``.
+    Tensors on the meta device (shapes only) become random weights, or stay meta with ``check_only``."""
     hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qn, kvn = cfg.num_heads * d, cfg.num_kv_heads * d
 
@@ -310,6 +331,11 @@ def _assemble(cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype
             raise ConfigError(f"the checkpoint has no tensor {name}")
         w = raw.pop(name)
         _shape(name, w, shape)
+        if w.is_meta and check_only:
+            return w
+        if w.is_meta:  # --load-format dummy: random weights (norms 1-ish, so activations stay in range)
+            out = torch.empty(shape, dtype=dtype)
+            return out.uniform_(0.9, 1.1) if len(shape) == 1 else out.uniform_(-0.05, 0.05)
         return w.to(dtype).contiguous()
 
     def opt(name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:

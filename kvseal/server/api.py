@@ -35,6 +35,7 @@ from kvseal.server.backend import Backend, GenRequest
 from kvseal.server.metrics import Metrics
 from kvseal.server.reply import Formatter, Piece, Reply, close_all, error_response, sse, whole
 from kvseal.server.schema import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
+from kvseal.server.served import Served
 from kvseal.server.tenants import Tenants
 from kvseal.server.text import TextStream, TokenStrings
 
@@ -87,9 +88,11 @@ async def parse(request: Request, model: type[T]) -> T:
     return req
 
 
-def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: Tenants | None = None) -> FastAPI:
+def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: Tenants | None = None,
+               served: Served | None = None) -> FastAPI:
     app = FastAPI(title="kvseal")
     tenants = tenants or Tenants()
+    served = served or Served([backend.model_name], backend.model_name)
     print(tenants.describe(), flush=True)
     strings = TokenStrings(tokenizer)
     vocab = len(tokenizer)
@@ -119,9 +122,9 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": backend.model_name, "object": "model", "created": 0, "owned_by": "kvseal",
+            "id": name, "object": "model", "created": 0, "owned_by": "kvseal", "root": served.root, "parent": None,
             "max_model_len": backend.context_window, "context_length": backend.context_window,
-            "kv_pool_tokens": backend.pool_tokens}]}
+            "kv_pool_tokens": backend.pool_tokens} for name in served.names]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -175,9 +178,10 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     async def serve(request: Request, req: Sampling, prompts: list[list[int]], chat: bool,
                     echo: list[str] | None = None) -> Response:
         tenant = request.state.tenant = tenants.authenticate(request.headers.get("authorization"))
-        if req.model != backend.model_name:
-            raise ModelNotFound(f"model {req.model!r} does not exist; this server serves {backend.model_name!r}",
-                                param="model")
+        if req.model not in served.names:
+            raise ModelNotFound(f"model {req.model!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, served.names))}", param="model")
+        with_defaults(req, served.defaults)
         grammar = compile_response_format(req.response_format.spec()) if req.response_format else None
         common = {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(req.top_k, 0),
                   "min_p": req.min_p, "stop": tuple(req.stop), "stop_token_ids": tuple(req.stop_token_ids or ()),
@@ -224,6 +228,17 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         return max_new
 
     return app
+
+
+def with_defaults(req: Sampling, defaults: dict) -> None:
+    """The generation config's sampling defaults, for the fields the request did not set."""
+    given = req.model_fields_set
+    for k, v in defaults.items():
+        if k == "max_tokens":
+            if not {"max_tokens", "max_completion_tokens"} & given:
+                req.max_tokens = int(v)
+        elif k not in given:
+            setattr(req, k, v)
 
 
 async def first_pieces(replies: list[Reply]) -> list[Piece]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import uvicorn
 from fastapi import FastAPI
 
@@ -10,19 +12,22 @@ from kvseal.server.api import create_app
 from kvseal.server.backend import EngineBackend
 from kvseal.server.guard import FRONT_MAX_BODY, Guard
 from kvseal.server.metrics import Metrics
+from kvseal.server.served import front
 from kvseal.server.tenants import Tenants
 
 
-def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None,
-                  keys_file: str | None = None) -> tuple[FastAPI, EngineBackend]:
+def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None, keys_file: str | None = None,
+                  front_args: argparse.Namespace | None = None) -> tuple[FastAPI, EngineBackend]:
     metrics = Metrics()
     engine, lm, sizing = build_engine(spec, metrics=metrics)
     metrics._pool_counts = engine.page_counts
     print(sizing.table(), flush=True)
-    backend = EngineBackend(engine, lm.name, lm.model.cfg.eos_token_ids)
-    return create_app(backend, lm.tokenizer, metrics, Tenants.load(api_keys or [], keys_file)), backend
+    served = front(front_args, lm.tokenizer) if front_args is not None else None
+    backend = EngineBackend(engine, served.names[0] if served else lm.name, lm.model.cfg.eos_token_ids)
+    return create_app(backend, lm.tokenizer, metrics, Tenants.load(api_keys or [], keys_file), served), backend
 
 
-def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str], keys_file: str | None = None) -> None:
-    app, _ = colocated_app(spec, api_keys, keys_file)
+def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str], keys_file: str | None = None,
+          front_args: argparse.Namespace | None = None) -> None:
+    app, _ = colocated_app(spec, api_keys, keys_file, front_args)
     uvicorn.run(Guard(app, None, FRONT_MAX_BODY), host=host, port=port, log_level="warning")

@@ -30,7 +30,7 @@ def _worker_argv(a: argparse.Namespace) -> list[str]:
         out += ["--threads", str(a.threads)]
     out += ["--share-cores", _core_lock_path(a)]
     for flag in ("model", "dtype", "kv_pool_tokens", "kv_memory", "page_size", "context", "max_running",
-                 "step_token_budget", "weights", "prefix_cache"):
+                 "step_token_budget", "weights", "prefix_cache", "tokenizer", "load_format"):
         v = getattr(a, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]
@@ -60,8 +60,11 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
             _wait_healthy(f"http://{a.host}:{port}", procs)
         router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port), *secret,
                   "--prefill", f"http://{a.host}:{ports['prefill']}", "--decode", f"http://{a.host}:{ports['decode']}"]
-        if a.model:
-            router += ["--model", a.model]
+        for flag in ("model", "tokenizer", "chat_template", "generation_config"):
+            if getattr(a, flag) is not None:
+                router += [f"--{flag.replace('_', '-')}", getattr(a, flag)]
+        if a.served_model_name:
+            router += ["--served-model-name", *a.served_model_name]
         router += [f for f in _worker_argv(a) if f.startswith("--unsafe")]
         for k in a.api_key:
             router += ["--api-key", k]

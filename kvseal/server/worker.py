@@ -72,23 +72,21 @@ def _writer(transport: str, host: str, mooncake: object) -> object:
 
 
 def serve_router(a: argparse.Namespace) -> None:
-    from pathlib import Path
-
-    from kvseal.model.loader import default_model_path, load_tokenizer
     from kvseal.server.api import create_app
     from kvseal.server.router import DisaggBackend
+    from kvseal.server.served import front, load_front_tokenizer
     from kvseal.server.tenants import Tenants
 
-    path = Path(a.model) if a.model else default_model_path()
-    name = path.stem if path.is_file() else path.name
+    tokenizer = load_front_tokenizer(a)
+    served = front(a, tokenizer)
     from kvseal.cli import protections
 
     _, http = cluster_auth(a, "router", f"router@{a.host}:{a.port}")
-    backend = DisaggBackend(a.prefill, a.decode, name, timeout=a.timeout, protections=protections(a),
+    backend = DisaggBackend(a.prefill, a.decode, served.names[0], timeout=a.timeout, protections=protections(a),
                             faults=Faults.from_env(), probe_timeout=a.probe_timeout, max_inflight=a.max_inflight,
                             queue_timeout=a.queue_timeout, http=http)
     metrics = Metrics()
-    app = create_app(backend, load_tokenizer(path), metrics, Tenants.load(a.api_key, a.api_keys))
+    app = create_app(backend, tokenizer, metrics, Tenants.load(a.api_key, a.api_keys), served)
 
     @asynccontextmanager
     async def lifespan(_app):
