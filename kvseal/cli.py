@@ -84,7 +84,8 @@ def worker_spec(a: argparse.Namespace) -> WorkerSpec:
                       max_running=a.max_running, step_token_budget=a.step_token_budget, weights=a.weights,
                       threads=a.threads, share_cores=core_lock(a.share_cores, a.threads),
                       scrub_on_free=a.scrub_on_free, prefix_cache=a.prefix_cache == "on",
-                      protections=protections(a), tokenizer=a.tokenizer, load_format=a.load_format)
+                      protections=protections(a), tokenizer=a.tokenizer, load_format=a.load_format,
+                      shared_weights=getattr(a, "shared_weights", None))
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -120,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
         w.add_argument("--host", default="127.0.0.1")
         w.add_argument("--port", type=int, required=True)
         w.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+        w.add_argument("--shared-weights", default=None, metavar="FILE",
+                       help="share one copy of the packed weights with the other workers of this host through FILE "
+                            "(kvseal serve does this itself)")
         w.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
         w.add_argument("--mooncake-devices", default="", metavar="NIC[,NIC]", help="RDMA devices, e.g. mlx5_0")
         if role == "decode":
@@ -193,7 +197,7 @@ def check(a: argparse.Namespace) -> None:
         from kvseal.model.loader import inspect
 
         resolve(worker_spec(a))
-        inspect(a.model)  # a checkpoint kvseal cannot serve exactly: refused before any process starts
+        inspect(a.model, a.load_format == "dummy", a.tokenizer)  # a checkpoint kvseal cannot serve exactly: refused before any process starts
 
 
 def _start(a: argparse.Namespace) -> None:

@@ -40,6 +40,7 @@ class WorkerSpec:
     protections: Protections = field(default_factory=Protections)
     tokenizer: str | None = None  # a tokenizer other than the checkpoint's
     load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shape)
+    shared_weights: str | None = None  # a file this host's workers share their packed weights through
 
 
 def off_main_thread(fn: Callable[[], object]) -> object:
@@ -82,7 +83,8 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     dtype_name, weights = resolve(spec)
     dtype = DTYPES[dtype_name]
     lm = loaded or off_main_thread(lambda: load(spec.model, dtype, tokenizer=spec.tokenizer,
-                                                 dummy=spec.load_format == "dummy"))
+                                                 dummy=spec.load_format == "dummy", weights=weights, release=True,
+                                                 shared=spec.shared_weights))
     m = lm.model.cfg
     if lm.model.weights_mode != weights:
         off_main_thread(lambda: lm.model.use_weights(weights))

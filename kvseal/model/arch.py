@@ -83,8 +83,10 @@ def family_keys(model_type: str) -> set[str]:
     return set(CONFIG_MAPPING[model_type]().to_dict()) - set(PreTrainedConfig().to_dict())
 
 
-def hf_config(c: dict, tensor_names: set[str]) -> ModelConfig:
+def hf_config(c: dict, tensor_names: set[str] | None) -> ModelConfig:
     """A ``ModelConfig`` for an HF ``config.json`` (as a dict), or ``ConfigError`` naming what cannot be served.
+    ``tensor_names``: the checkpoint's (they decide tied embeddings and q/k/v biases); None for a directory
+    without weights (``--load-format dummy``), where the config and the family decide.
 
     transformers' own config class reads the dict first: it turns either config style into one (layer types,
     per-layer-type RoPE parameters), exactly as the reference implementation will see it."""
@@ -131,8 +133,10 @@ def hf_config(c: dict, tensor_names: set[str]) -> ModelConfig:
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
         num_layers=layers, num_heads=heads, num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
         head_dim=head_dim, rope_theta=float(rope.pop("rope_theta")), rms_eps=float(hf.rms_norm_eps),
-        max_context=max_context, tie_embeddings=_tied(c, tensor_names),
-        qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
+        max_context=max_context,
+        tie_embeddings=bool(hf.tie_word_embeddings) if tensor_names is None else _tied(c, tensor_names),
+        qkv_bias=(mt == "qwen2" or bool(getattr(hf, "attention_bias", False))) if tensor_names is None
+        else "model.layers.0.self_attn.q_proj.bias" in tensor_names,
         bos_token_id=c.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         rope=rope if rope["rope_type"] != "default" else None, rope_local=rope_local,

@@ -108,7 +108,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class LlamaModel:
     """Stateless apart from weights: the KV lives in the pool passed to ``forward``."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, dtype: torch.dtype, mode: str | None = None,
+                 release: bool = False, packed: dict[str, torch.Tensor] | None = None) -> None:
+        """``mode``: the linear layers' weights (``use_weights``; default bf16, or fp32 for an fp32 model).
+        ``release``: keep only what the chosen kernels read (one copy of the weights, see ``use_weights``).
+        ``packed``: the GEMM's packed weights by name (``kvseal.model.shared``); ``weights`` then has meta
+        tensors for the linear layers."""
+        self.packed_given = packed
         self.cfg = cfg
         self.w = weights
         self.dtype = dtype
@@ -128,20 +134,39 @@ class LlamaModel:
         self.fused = load_fused_ops(cfg.head_dim, dtype) if kernels else None
         # the whole layer loop in one native call, when every piece of it is native (bf16 only)
         self.native = load_native_layers() if dtype == torch.bfloat16 and kernels else None
-        self.use_weights("bf16" if dtype == torch.bfloat16 else "fp32")
+        self.use_weights(mode or ("bf16" if dtype == torch.bfloat16 else "fp32"), release=release)
 
-    def use_weights(self, mode: str, small_rows: int = 8) -> None:
+    def use_weights(self, mode: str, small_rows: int = 8, release: bool = False) -> None:
         """Pick the linear layers' weights and kernels (``kvseal.model.quant``): fp32 (fp32 models), bf16, or
-        int8/int4 for steps of at most ``small_rows`` rows."""
-        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
-            return Linear(w, b, mode, small_rows)
+        int8/int4 for steps of at most ``small_rows`` rows.
+
+        ``release``: a layer whose linear layers all run from a packed copy (the GEMM's) drops its weights
+        as soon as they are packed, layer by layer, so the process never holds two copies of the model (a
+        weight left as a meta tensor keeps only its shape); ``use_weights`` cannot be called again after."""
+        given = self.packed_given
+        if given is None and any(t.is_meta for x in self.w.layers for t in (x.wqkv, x.wo, x.w_gate_up, x.w_down)):
+            raise RuntimeError("the weights were released after packing: load the model again to change them")
+        self.packed_given = None  # used once
+
+        def lin(w: torch.Tensor, b: torch.Tensor | None, name: str) -> Linear:
+            return Linear(w, b, mode, small_rows, packed=None if given is None else given[name])
 
         self.weights_mode, self.small_rows = mode, small_rows
-        self.lin = [LayerLinears(lin(x.wqkv, x.bqkv), lin(x.wo, x.bo), lin(x.w_gate_up, x.b_gate_up),
-                                 lin(x.w_down, x.b_down)) for x in self.w.layers]
+        self.lin = []
+        for i, x in enumerate(self.w.layers):
+            self.lin.append(LayerLinears(lin(x.wqkv, x.bqkv, f"{i}.qkv.packed"), lin(x.wo, x.bo, f"{i}.o.packed"),
+                                         lin(x.w_gate_up, x.b_gate_up, f"{i}.gate_up.packed"),
+                                         lin(x.w_down, x.b_down, f"{i}.down.packed")))
+            for name, field in (("qkv", "wqkv"), ("o", "wo"), ("gate_up", "w_gate_up"), ("down", "w_down")):
+                linear = getattr(self.lin[-1], name)
+                if release and linear.release():
+                    setattr(x, field, linear.weight)
         self.native_table = self._native_table()
         # the (tied) embedding is not a 4-bit tensor in GGUF files: int4 there costs real accuracy, int8 not
-        self.head = Linear(self.w.lm_head, None, "int8" if mode == "int4" else mode, small_rows)
+        self.head = Linear(self.w.lm_head, None, "int8" if mode == "int4" else mode, small_rows,
+                           packed=None if given is None else given["head.packed"])
+        if release and not self.cfg.tie_embeddings and self.head.release():
+            self.w.lm_head = self.head.weight
 
     def _native_table(self) -> torch.Tensor | None:
         """Per layer, pointers to its norms and packed weights for ``NativeLayers`` (None: some linear layer

@@ -57,10 +57,15 @@ class LoadedModel:
 
 
 def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True, tokenizer: str | Path | None = None,
-         dummy: bool = False) -> LoadedModel:
+         dummy: bool = False, weights: str | None = None, release: bool = False,
+         shared: str | Path | None = None) -> LoadedModel:
     """The model in ``dtype`` with its tokenizer (or ``tokenizer``'s). ``dummy``: random weights of the
-    checkpoint's shape, nothing read but the config and the tensors' shapes (as vLLM's ``--load-format dummy``)."""
+    checkpoint's shape, nothing read but the config and the tensors' shapes (as vLLM's ``--load-format dummy``).
+    ``weights`` and ``release``: ``LlamaModel``'s (a server keeps one packed copy of the weights).
+    ``shared``: a file the workers of this host share their packed weights through (``kvseal.model.shared``)."""
     p = Path(path) if path else default_model_path()
+    if shared is not None:
+        return _load_shared(p, Path(shared), dtype, progress, tokenizer, dummy, weights)
     cached = cache_dir(p) if p.is_file() else None
     if dummy:
         cfg, raw = _shapes(p)
@@ -84,9 +89,63 @@ def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True, tok
     if len(tok) > cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary only {cfg.vocab_size}: "
                           "they do not belong together")
-    weights = _assemble(cfg, raw, dtype)
+    assembled = _assemble(cfg, raw, dtype)
+    del raw
     name = p.stem if p.is_file() else p.name
-    return LoadedModel(LlamaModel(cfg, weights, dtype), tok, name, p)
+    return LoadedModel(LlamaModel(cfg, assembled, dtype, weights, release), tok, name, p)
+
+
+def _load_shared(p: Path, file: Path, dtype: torch.dtype, progress: bool, tokenizer: str | Path | None,
+                 dummy: bool, weights: str | None) -> LoadedModel:
+    from kvseal.model import cpu, shared
+
+    mode = weights or ("bf16" if dtype == torch.bfloat16 else "fp32")
+    st = (p / "config.json").stat() if p.is_dir() else p.stat()
+    key = {"model": str(p.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns, "dtype": str(dtype),
+           "weights": mode, "level": cpu.choice().level, "dummy": dummy, "version": CACHE_VERSION}
+    with shared.Lock(file):
+        mapped = shared.read(file, key) if file.exists() else None
+        if mapped is None:
+            lm = load(p, dtype, progress, tokenizer, dummy, weights, release=True)
+            if not shared.shareable(lm.model):
+                print(f"kvseal: weights not shared ({mode} weights at kernel level {key['level']} run from "
+                      "private copies)", flush=True)
+                return lm
+            if file.exists():
+                print(f"kvseal: {file} holds other weights; this worker keeps its own copy", flush=True)
+                return lm
+            shared.write(file, {**key, "config": dataclasses.asdict(lm.model.cfg)}, shared.tensors(lm.model))
+            del lm
+            mapped = shared.read(file, key)
+    cfg = _config_from_dict(json.loads(_header_config(file)))
+    layers = []
+    for i in range(cfg.num_layers):
+        g = {f: mapped.get(f"{i}.{f}") for f in shared.LAYER_TENSORS}
+        layers.append(Layer(wqkv=_meta(cfg, "qkv", dtype), wo=_meta(cfg, "o", dtype),
+                            w_gate_up=_meta(cfg, "gate_up", dtype), w_down=_meta(cfg, "down", dtype), **g))
+    embed = mapped["embed"]
+    head = embed if cfg.tie_embeddings else torch.empty((cfg.vocab_size, cfg.hidden_size), dtype=dtype, device="meta")
+    w = Weights(embed=embed, layers=layers, norm=mapped["norm"], lm_head=head)
+    tok = load_tokenizer(Path(tokenizer) if tokenizer else p)
+    return LoadedModel(LlamaModel(cfg, w, dtype, "bf16", packed=mapped), tok, p.stem if p.is_file() else p.name, p)
+
+
+def _meta(cfg: ModelConfig, which: str, dtype: torch.dtype) -> torch.Tensor:
+    hid, d = cfg.hidden_size, cfg.head_dim
+    qn, kvn = cfg.num_heads * d, cfg.num_kv_heads * d
+    shape = {"qkv": (qn + 2 * kvn, hid), "o": (hid, qn), "gate_up": (2 * cfg.intermediate_size, hid),
+             "down": (hid, cfg.intermediate_size)}[which]
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _header_config(file: Path) -> str:
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.dumps(json.loads(f.read(n))["key"]["config"])
+
+
+def _config_from_dict(c: dict) -> ModelConfig:
+    return ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"]), "layer_windows": tuple(c["layer_windows"])})
 
 
 def load_tokenizer(p: Path) -> object:
@@ -119,7 +178,7 @@ def _read_cache(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
     from transformers import AutoTokenizer
 
     c = json.loads((d / "config.json").read_text())
-    cfg = ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"]), "layer_windows": tuple(c["layer_windows"])})
+    cfg = _config_from_dict(c)
     return cfg, load_file(str(d / "weights.safetensors")), AutoTokenizer.from_pretrained(str(d))
 
 
@@ -231,7 +290,7 @@ def _gguf_to_hf(name: str) -> str:
 
 
 # -- Hugging Face directory -------------------------------------------------------------------------------
-def inspect(path: str | Path | None) -> ModelConfig | None:
+def inspect(path: str | Path | None, dummy: bool = False, tokenizer: str | Path | None = None) -> ModelConfig | None:
     """Everything ``load`` would refuse in a Hugging Face directory (config keys, tensor names and shapes, the
     tokenizer's size), found without reading a weight: a server refuses in one line before it starts any
     process. None for a GGUF file (``load`` checks those)."""
@@ -242,8 +301,8 @@ def inspect(path: str | Path | None) -> ModelConfig | None:
         return None
     if not (p / "config.json").exists():
         raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
-    cfg, raw = _read_hf_dir(p, progress=False, meta=True)
-    n = len(load_tokenizer(p))
+    cfg, raw = _shapes(p) if dummy else _read_hf_dir(p, progress=False, meta=True)
+    n = len(load_tokenizer(Path(tokenizer) if tokenizer else p))
     if n > cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {n} tokens, the model's vocabulary only {cfg.vocab_size}: "
                           "they do not belong together")
@@ -251,9 +310,12 @@ def inspect(path: str | Path | None) -> ModelConfig | None:
     return cfg
 
 
-def _shapes(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config and every tensor's shape (on the meta device) of an HF directory or a GGUF file."""
+def _shapes(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor] | None]:
+    """The config and every tensor's shape (on the meta device) of an HF directory or a GGUF file; an HF
+    directory without weights gives None: the config alone decides every shape."""
     if p.is_dir():
+        if not any(p.glob("*.safetensors")):
+            return hf_config(_config_json(p), None), None
         return _read_hf_dir(p, progress=False, meta=True)
     import gguf
 
@@ -268,10 +330,7 @@ def _read_hf_dir(p: Path, progress: bool, meta: bool = False) -> tuple[ModelConf
     ``meta``: shapes only (tensors on the meta device), nothing read."""
     from safetensors import safe_open
 
-    try:
-        c = json.loads((p / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p / 'config.json'}: not valid JSON ({e})") from None
+    c = _config_json(p)
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{p}: no *.safetensors files (other weight formats are not supported)")
@@ -295,6 +354,13 @@ def _read_hf_dir(p: Path, progress: bool, meta: bool = False) -> tuple[ModelConf
     return cfg, raw
 
 
+def _config_json(p: Path) -> dict:
+    try:
+        return json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p / 'config.json'}: not valid JSON ({e})") from None
+
+
 def _split_phi3(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``: name them as Llama does."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -314,28 +380,39 @@ def _split_phi3(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 # -- assembly ---------------------------------------------------------------------------------------------
+def _random(w: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, rng: torch.Generator) -> torch.Tensor:
+    """--load-format dummy: random weights (norms near 1, so activations stay in range)."""
+    out = torch.empty(shape, dtype=dtype)
+    return out.uniform_(0.9, 1.1, generator=rng) if len(shape) == 1 else out.uniform_(-0.05, 0.05, generator=rng)
+
+
 def _shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
     if tuple(t.shape) != want:
         raise ConfigError(f"tensor {name} has shape {list(t.shape)}, the config says {list(want)}")
 
 
-def _assemble(cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype, check_only: bool = False) -> Weights:
+def _assemble(cfg: ModelConfig, raw: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+              check_only: bool = False) -> Weights:
     """The model's weights in ``dtype``, each tensor checked against the config's shapes; a missing or
     mis-shaped tensor, or one left over (the config does not describe the checkpoint), is a ``ConfigError``.
-    Tensors on the meta device (shapes only) become random weights, or stay meta with ``check_only``."""
+    Tensors on the meta device (shapes only), or every tensor when ``raw`` is None, become random weights
+    (seeded: every worker of a cluster draws the same), or stay meta with ``check_only``."""
     hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qn, kvn = cfg.num_heads * d, cfg.num_kv_heads * d
+    rng = torch.Generator().manual_seed(0)
 
     def t(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if raw is None:
+            w = torch.empty(shape, device="meta")
+            return _random(w, shape, dtype, rng) if not check_only else w
         if name not in raw:
             raise ConfigError(f"the checkpoint has no tensor {name}")
         w = raw.pop(name)
         _shape(name, w, shape)
         if w.is_meta and check_only:
             return w
-        if w.is_meta:  # --load-format dummy: random weights (norms 1-ish, so activations stay in range)
-            out = torch.empty(shape, dtype=dtype)
-            return out.uniform_(0.9, 1.1) if len(shape) == 1 else out.uniform_(-0.05, 0.05)
+        if w.is_meta:
+            return _random(w, shape, dtype, rng)
         return w.to(dtype).contiguous()
 
     def opt(name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
@@ -365,7 +442,7 @@ def _assemble(cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype
     embed = t("model.embed_tokens.weight", (cfg.vocab_size, hid))
     lm_head = embed if cfg.tie_embeddings else t("lm_head.weight", (cfg.vocab_size, hid))
     norm = t("model.norm.weight", (hid,))
-    left = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))
+    left = sorted(k for k in raw or () if not k.endswith("rotary_emb.inv_freq"))
     if left:
         raise ConfigError(f"the checkpoint has {len(left)} tensor(s) the config does not describe, e.g. {left[0]}")
     return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)

@@ -39,7 +39,9 @@ class Linear:
     """``y = x @ W.T (+ b)`` for ``x [M, K]``; ``weight`` is ``[N, K]`` in the model dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: str = "bf16",
-                 small_rows: int = 0) -> None:
+                 small_rows: int = 0, packed: torch.Tensor | None = None) -> None:
+        """``packed``: the GEMM's layout of ``weight``, already made (``kvseal.model.shared``); ``weight`` may
+        then be a meta tensor (its shape and dtype)."""
         if mode not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, not {mode!r}")
         if mode == "fp32" and weight.dtype != torch.float32:
@@ -52,6 +54,11 @@ class Linear:
         elif self.mode == "int4":
             self.q, self.scales = quantize_int4(weight)
         gemm = load_gemm()
+        if packed is not None:
+            if mode != "bf16" or bias is not None or gemm is None or not gemm.fits(weight):
+                raise ValueError("a packed weight needs the bf16 GEMM at this kernel level")
+            self.gemm, self.plain, self.packed = gemm, None, packed
+            return
         self.gemm: Gemm | None = None
         if self.mode != "fp32" and gemm is not None and bias is None and gemm.fits(weight):
             self.gemm = gemm
@@ -59,6 +66,14 @@ class Linear:
         # model's bf16 weights as an fp32 copy of the rounded values; none is kept where the GEMM runs)
         self.plain = None if self.gemm is not None else self._mode_weight()
         self.packed = self.gemm.pack(weight) if self.gemm is not None else prepack(self.plain)
+
+    def release(self) -> bool:
+        """Drop the unpacked weight if no kernel of this mode reads it (the GEMM runs from its packed copy);
+        True if dropped. Only its shape and dtype remain (a meta tensor)."""
+        if self.gemm is None or self.weight.is_meta:
+            return self.weight.is_meta
+        self.weight = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
+        return True
 
     def _mode_weight(self) -> torch.Tensor:
         w = self.weight

@@ -51,9 +51,10 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
         secret = ["--insecure-no-auth"]
     # SIGTERM to this process alone (kill PID, a container's stop) must stop the workers too, not orphan them
     signal.signal(signal.SIGTERM, _interrupt)
+    weights = ["--shared-weights", str(private / "weights")]  # one packed copy for both workers
     for role, port in ports.items():
         argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
-                "--transport", a.transport, *secret, *_worker_argv(a)]
+                "--transport", a.transport, *secret, *weights, *_worker_argv(a)]
         procs.append(subprocess.Popen(argv))
     try:
         for role, port in ports.items():
