@@ -101,8 +101,19 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="CA that signs the other nodes' certificates (worker URLs are then https://)")
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("kvseal")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvseal")
+    ap.add_argument("--version", action="version", version=f"kvseal {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="router + prefill + decode on this host (or --colocated)")
     add_worker_args(s)
@@ -155,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
     pf.add_argument("--model", default=None)
     pf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     pf.add_argument("--memory", type=float, required=True, help="pool memory in GiB")
-    pf.add_argument("--context", type=int, default=None)
+    pf.add_argument("--context", "--max-model-len", dest="context", type=int, default=None)
     pf.add_argument("--page-size", type=int, default=16)
     b = sub.add_parser("bench", help="load benchmark against an OpenAI-compatible server")
     from kvseal.bench import add_args

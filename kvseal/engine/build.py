@@ -98,6 +98,11 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
                        step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, prefix_cache=spec.prefix_cache, protections=spec.protections)
     engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics)
+    if metrics is not None:
+        from kvseal.server.metrics import engine_source
+
+        metrics._pool_counts = engine.page_counts
+        metrics.add_source(engine_source(engine))
     engine.machine = facts(spec.dtype, spec.weights, spec.threads)
     print(one_line(engine.machine), flush=True)
     engine.grammars = Grammars(lm.tokenizer, m.vocab_size)

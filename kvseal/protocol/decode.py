@@ -19,6 +19,7 @@ changes nothing) raises the ``EngineError`` to answer with. The machine holds no
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 from dataclasses import dataclass
@@ -182,6 +183,9 @@ class DecodeCore:
         self.variants = variants
         self.leases: dict[int, Lease] = {}
         self.epochs: dict[str, int] = {}  # writer → epoch; fencing moves it on
+        # leases that ended without a verified transfer, by reason (coverage, tag, checksum, fence, timeout):
+        # counts for /metrics, no decision reads them
+        self.refused: collections.Counter[str] = collections.Counter()
 
     def _move(self, lease: Lease, event: str, target: LeaseState | None) -> None:
         TABLE.check(lease.state.name, event, target.name if target else "CLOSED")
@@ -272,7 +276,7 @@ class DecodeCore:
         if self.coverage and not covered:
             e = KVIntegrityError(f"commit for request {c.rid} covers {c.n_tokens} tokens / {len(c.pages)} pages, "
                                  f"lease reserved {lease.n_prompt} tokens / {k} pages")
-            return self._reject(lease, "commit", e)
+            return self._reject(lease, "commit", e, "coverage")
         self._move(lease, "commit", LeaseState.VERIFYING)
         lease.checksum = c.checksum
         return [Conceal(c.rid), Verify(c.rid, c.nonce)]
@@ -287,13 +291,15 @@ class DecodeCore:
                                 message=f"request {rid}: lease aborted"))]
         if not tags_ok:
             return self._reject(lease, "verified", KVIntegrityError(
-                f"request {rid}: leased pages no longer reserved for it"))
+                f"request {rid}: leased pages no longer reserved for it"), "tag")
         if not checksum_ok:
-            return self._reject(lease, "verified", KVIntegrityError(f"request {rid}: KV checksum mismatch"))
+            return self._reject(lease, "verified", KVIntegrityError(f"request {rid}: KV checksum mismatch"),
+                                "checksum")
         self._move(lease, "verified", LeaseState.RUNNING)
         return [Start(rid, first_token), Reply(P.Ack(ok=True, first_token=first_token))]
 
-    def _reject(self, lease: Lease, event: str, e: EngineError) -> list:
+    def _reject(self, lease: Lease, event: str, e: EngineError, reason: str) -> list:
+        self.refused[reason] += 1
         acts = [] if lease.state is LeaseState.VERIFYING else [Conceal(lease.rid)]
         self._move(lease, event, LeaseState.QUARANTINED)
         return acts + [Quarantine(lease.rid), End(lease.rid, "error", e),
@@ -347,6 +353,7 @@ class DecodeCore:
             self.epochs[writer] = self.epochs.get(writer, 0) + 1
         acts: list = []
         for lease in [s for s in self.leases.values() if s.writer == writer and s.state is not LeaseState.RUNNING]:
+            self.refused["fence"] += lease.state is not LeaseState.QUARANTINED
             acts += self.abort(lease.rid, lease.nonce, writer_done=True, event="fence")
         return acts
 
@@ -362,6 +369,7 @@ class DecodeCore:
             if lease.state is LeaseState.QUARANTINED:
                 self._move(lease, "expire", LeaseState.QUARANTINED)
             else:
+                self.refused["timeout"] += 1
                 acts += self.abort(lease.rid, lease.nonce, event="expire")
                 if lease.rid not in self.leases:  # unsafe release freed it already
                     continue

@@ -18,9 +18,8 @@ from kvseal.server.tenants import Tenants
 
 def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None, keys_file: str | None = None,
                   front_args: argparse.Namespace | None = None) -> tuple[FastAPI, EngineBackend]:
-    metrics = Metrics()
+    metrics = Metrics(per_tenant=bool(front_args and front_args.per_tenant_metrics))
     engine, lm, sizing = build_engine(spec, metrics=metrics)
-    metrics._pool_counts = engine.page_counts
     print(sizing.table(), flush=True)
     served = front(front_args, lm.tokenizer) if front_args is not None else None
     backend = EngineBackend(engine, served.names[0] if served else lm.name, lm.model.cfg.eos_token_ids)

@@ -13,6 +13,7 @@ engine step with every event of its requests, so the per-token cost of the extra
 from __future__ import annotations
 
 import asyncio
+import collections
 import secrets
 import threading
 import time
@@ -129,6 +130,8 @@ class DecodeService:
         self.core = DecodeCore(secrets.token_bytes(32), decode_id, lease_ttl, max_leases,
                                coverage=self.prot.coverage, deferred_release=self.prot.deferred_release)
         self.lock = threading.Lock()  # the core is fed from the event loop and the engine thread, one at a time
+        if engine.metrics:
+            engine.metrics.add_source(self._metric_rows)
         self.held: dict[int, Held] = {}
         self.batcher = StepBatcher(engine)
         self.outboxes: dict[str, Outbox] = {}
@@ -314,6 +317,16 @@ class DecodeService:
         finally:
             self.waiting_reserves -= 1
 
+    def _metric_rows(self) -> list[tuple]:
+        """Leases by state and the transfers refused by reason, for /metrics."""
+        with self.lock:
+            states = collections.Counter(lease.state.name.lower() for lease in self.core.leases.values())
+            refused = dict(self.core.refused)
+        rows = [("kvseal_leases", "gauge", "Open leases by state", {"state": s}, states.get(s, 0))
+                for s in ("reserved", "verifying", "running", "quarantined")]
+        return rows + [("kvseal_transfer_refusals", "counter", "Transfers decode refused, by reason",
+                        {"reason": r}, refused.get(r, 0)) for r in ("coverage", "tag", "checksum", "fence", "timeout")]
+
     # -- commit -----------------------------------------------------------------------------------------
     async def commit(self, c: P.Commit) -> P.Ack:
         self.faults.crash("crash_at_commit")
@@ -440,6 +453,10 @@ def decode_app(svc: DecodeService) -> FastAPI:
     async def streams(subscriber: str, request: Request) -> StreamingResponse:
         box = svc.outbox(subscriber, peer_of(request))
         return StreamingResponse(box.lines(svc.heartbeat), media_type="application/x-ndjson")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(svc.engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health(request: Request, quick: bool = False) -> JSONResponse:

@@ -41,6 +41,25 @@ def _worker_argv(a: argparse.Namespace) -> list[str]:
     return out
 
 
+def _router_argv(a: argparse.Namespace) -> list[str]:
+    """The ``serve`` flags the router concerns: the model's name, tokenizer and sampling defaults, the keys,
+    the protections it applies."""
+    out = []
+    for flag in ("model", "tokenizer", "chat_template", "generation_config"):
+        if getattr(a, flag) is not None:
+            out += [f"--{flag.replace('_', '-')}", getattr(a, flag)]
+    if a.served_model_name:
+        out += ["--served-model-name", *a.served_model_name]
+    if a.per_tenant_metrics:
+        out.append("--per-tenant-metrics")
+    out += [f for f in _worker_argv(a) if f.startswith("--unsafe")]
+    for k in a.api_key:
+        out += ["--api-key", k]
+    if a.api_keys:
+        out += ["--api-keys", a.api_keys]
+    return out
+
+
 def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     del spec  # validated already; the workers re-parse the same flags
     ports = {"prefill": a.port + 1, "decode": a.port + 2}
@@ -60,17 +79,8 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
         for role, port in ports.items():
             _wait_healthy(f"http://{a.host}:{port}", procs)
         router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port), *secret,
-                  "--prefill", f"http://{a.host}:{ports['prefill']}", "--decode", f"http://{a.host}:{ports['decode']}"]
-        for flag in ("model", "tokenizer", "chat_template", "generation_config"):
-            if getattr(a, flag) is not None:
-                router += [f"--{flag.replace('_', '-')}", getattr(a, flag)]
-        if a.served_model_name:
-            router += ["--served-model-name", *a.served_model_name]
-        router += [f for f in _worker_argv(a) if f.startswith("--unsafe")]
-        for k in a.api_key:
-            router += ["--api-key", k]
-        if a.api_keys:
-            router += ["--api-keys", a.api_keys]
+                  "--prefill", f"http://{a.host}:{ports['prefill']}", "--decode", f"http://{a.host}:{ports['decode']}",
+                  *_router_argv(a)]
         procs.append(subprocess.Popen(router))
         print(f"kvseal: router on http://{a.host}:{a.port} (prefill :{ports['prefill']}, decode :{ports['decode']})",
               flush=True)

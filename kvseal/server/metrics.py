@@ -1,17 +1,31 @@
-"""Prometheus metrics, one registry per process (no module-level state)."""
+"""Prometheus metrics, one registry per process (no module-level state), served at ``/metrics`` by every
+process: the colocated server, the router, prefill and decode workers.
+
+Every process exports the three gauges the Gateway API Inference Extension schedules on, under kvseal's
+prefix with vLLM's meaning: ``kvseal:num_requests_waiting``, ``kvseal:num_requests_running`` and
+``kvseal:kv_cache_usage_perc`` (the used fraction of the KV pool, 0..1; pages the prefix cache alone holds
+count as free, since allocation evicts them). An engine process reads them from its engine; the router
+counts requests in its hands and reports the fullest decode pool it last probed. Sources (``add_source``) are
+read at scrape time; nothing runs between scrapes.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 MAX_TENANT_LABELS = 64  # tenants come from the key file; past this many, the rest share the label "other"
 
 
 class Metrics:
-    def __init__(self, pool_counts: Callable[[], dict[str, int]] | None = None) -> None:
+    def __init__(self, pool_counts: Callable[[], dict[str, int]] | None = None, per_tenant: bool = False) -> None:
+        """``per_tenant``: label requests and prefix-cache hits with the tenant's name (``--per-tenant-metrics``).
+        Off by default: whoever can scrape would see every tenant's name and cache hits, a side channel (vLLM
+        treats per-request cache timing as one since CVE-2025-46570); off, they are all labelled ``all``."""
+        self.per_tenant = per_tenant
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvseal_requests", "Finished requests by HTTP status and tenant", ["status", "tenant"],
                                 registry=r)
@@ -35,10 +49,24 @@ class Metrics:
         self.cache_pages = Gauge("kvseal_prefix_cache_pages", "Pages held by the prefix cache", registry=r)
         self._tenants: set[str] = set()
         self.pool_pages = Gauge("kvseal_pool_pages", "KV pool pages by state", ["state"], registry=r)
+        # prefill: each transfer from its commit to decode's answer, by outcome (ok, or the refusal's code)
+        self.transfers = Counter("kvseal_transfers", "KV transfers by decode's answer", ["outcome"], registry=r)
+        self.transfer_bytes = Counter("kvseal_transfer_bytes", "KV page bytes written to decode pools", registry=r)
+        self.transfer_seconds = Histogram("kvseal_transfer_commit_seconds", "Commit sent to decode's answer "
+                                          "(checksum and tag verification included)", buckets=LATENCY_BUCKETS,
+                                          registry=r)
         self._pool_counts = pool_counts
+        self._sources: list[Callable[[], list[tuple]]] = []
+        r.register(_Sources(self._sources))
+
+    def add_source(self, fn: Callable[[], list[tuple]]) -> None:
+        """``fn()`` → ``[(name, "gauge" | "counter", help, {label: value} | None, value), …]``, read per scrape."""
+        self._sources.append(fn)
 
     def tenant(self, name: str) -> str:
         """A bounded label for a tenant."""
+        if not self.per_tenant:
+            return "all"
         if name in self._tenants or len(self._tenants) < MAX_TENANT_LABELS:
             self._tenants.add(name)
             return name
@@ -59,3 +87,35 @@ class Metrics:
             for state, n in counts.items():
                 self.pool_pages.labels(state).set(n)
         return generate_latest(self.registry)
+
+
+class _Sources:
+    """A collector over ``Metrics.add_source`` callbacks: one metric family per name."""
+
+    def __init__(self, sources: list[Callable[[], list[tuple]]]) -> None:
+        self.sources = sources
+
+    def describe(self) -> list:
+        return []  # families vary with the sources: collected per scrape
+
+    def collect(self) -> Iterator:
+        families: dict[str, object] = {}
+        for fn in self.sources:
+            for name, kind, doc, labels, value in fn():
+                fam = families.get(name)
+                if fam is None:
+                    cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                    fam = families[name] = cls(name, doc, labels=sorted(labels) if labels else None)
+                fam.add_metric([labels[k] for k in sorted(labels)] if labels else [], value)
+        yield from families.values()
+
+
+def engine_source(engine: object) -> Callable[[], list[tuple]]:
+    """The GAIE gauges of a process that runs an engine (read on any thread: lengths and a pool count)."""
+    def read() -> list[tuple]:
+        pool = engine.pool
+        used = 1.0 - pool.num_available / pool.cfg.num_pages
+        return [("kvseal:num_requests_waiting", "gauge", "Requests waiting to be scheduled", None, len(engine.waiting)),
+                ("kvseal:num_requests_running", "gauge", "Requests in the running batch", None, len(engine.running)),
+                ("kvseal:kv_cache_usage_perc", "gauge", "Used fraction of the KV pool (0..1)", None, used)]
+    return read

@@ -172,6 +172,7 @@ class PrefillService:
     async def _commit(self, rid: int, commit: P.Commit, late_write: Callable[[], None] | None,
                       logprob: Logprob | None = None, cached: int = 0) -> None:
         p, _ = self.pending.get(rid, (None, None))
+        t0 = time.perf_counter()
         try:
             ack = await self._send_commit(p.decode_url, commit)
             if late_write:  # reorder_commit: the bytes land only well after decode has answered the commit
@@ -181,6 +182,11 @@ class PrefillService:
             ack = P.Ack(ok=False, status=503, code="decode_unreachable", message=f"commit not delivered: {e}")
         if ack.ok:
             self.faults.crash("crash_after_commit")
+        if self.engine.metrics:
+            m, kv = self.engine.metrics, self.engine.pool.kv
+            m.transfers.labels("ok" if ack.ok else ack.code or str(ack.status)).inc()
+            m.transfer_seconds.observe(time.perf_counter() - t0)
+            m.transfer_bytes.inc(len(commit.pages) * kv[0].numel() * kv.element_size())
         ack.first_logprob, ack.cached_tokens = logprob, cached
         acts = self._feed(lambda: self.core.acked(rid, commit.nonce, ack))
         # Deferred release: decode has answered (or is gone), so these pages may go. Pool tags change on the
@@ -232,6 +238,10 @@ def prefill_app(svc: PrefillService) -> FastAPI:
     @app.post("/kv/forget")
     async def forget(request: Request) -> JSONResponse:
         return JSONResponse(await svc.forget(P.decode(await request.body(), P.Forget)))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(svc.engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health(request: Request, quick: bool = False) -> JSONResponse:

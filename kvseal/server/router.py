@@ -101,6 +101,20 @@ class DisaggBackend:
         for d in self.decodes:
             d.mux = TokenMux(self.client, d.url, self.subscriber, timeout, on_dead=lambda d=d: _down(d))
 
+    def metric_rows(self) -> list[tuple]:
+        """The GAIE gauges for the router as one model server: requests before their first token are waiting,
+        the rest running; KV usage is the fullest decode pool's at its last probe."""
+        before_first = sum(p.inflight for p in self.prefills)
+        total = sum(d.inflight for d in self.decodes)
+        usage = [1.0 - d.info["free_pages"] / d.info["total_pages"] for d in self.decodes
+                 if d.healthy and d.info.get("total_pages")]
+        return [("kvseal:num_requests_waiting", "gauge", "Requests before their first token", None, before_first),
+                ("kvseal:num_requests_running", "gauge", "Requests decoding", None, max(total - before_first, 0)),
+                ("kvseal:kv_cache_usage_perc", "gauge", "Used fraction of the fullest decode pool (0..1)", None,
+                 max(usage, default=0.0)),
+                *[("kvseal_worker_healthy", "gauge", "1 while the router sends the worker work", {"worker": w.url,
+                   "role": w.role}, float(w.healthy)) for w in self.prefills + self.decodes]]
+
     # -- health -----------------------------------------------------------------------------------------
     async def refresh(self) -> None:
         await asyncio.gather(*[self._probe(w) for w in self.prefills + self.decodes])

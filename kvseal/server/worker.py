@@ -85,7 +85,8 @@ def serve_router(a: argparse.Namespace) -> None:
     backend = DisaggBackend(a.prefill, a.decode, served.names[0], timeout=a.timeout, protections=protections(a),
                             faults=Faults.from_env(), probe_timeout=a.probe_timeout, max_inflight=a.max_inflight,
                             queue_timeout=a.queue_timeout, http=http)
-    metrics = Metrics()
+    metrics = Metrics(per_tenant=a.per_tenant_metrics)
+    metrics.add_source(backend.metric_rows)
     app = create_app(backend, tokenizer, metrics, Tenants.load(a.api_key, a.api_keys), served)
 
     @asynccontextmanager

@@ -41,7 +41,8 @@ WINDOW = 30.0  # seconds a signature stays valid either side of now
 MAX_NODE = 128  # characters of a node name
 H_KEY, H_CREATED, H_NONCE, H_SIG = "x-kvseal-key", "x-kvseal-created", "x-kvseal-nonce", "x-kvseal-signature"
 
-# Who may call what: the route table of the cluster. /health answers anyone, with details only to the signed.
+# Who may call what: the route table of the cluster. /health answers anyone, with details only to the signed;
+# /metrics answers anyone (Prometheus does not sign): a worker's metrics name no tenant.
 ROUTES: dict[str, frozenset[str]] = {
     "/kv/reserve": frozenset({"router"}),
     "/kv/abort": frozenset({"router"}),
@@ -52,8 +53,9 @@ ROUTES: dict[str, frozenset[str]] = {
     "/kv/forget": frozenset({"router", "decode"}),
     "/streams/": frozenset({"router"}),  # a prefix: /streams/{name}
     "/health": frozenset(ROLES),
+    "/metrics": frozenset(ROLES),
 }
-OPEN = frozenset({"/health"})
+OPEN = frozenset({"/health", "/metrics"})
 
 
 class Unauthenticated(EngineError):

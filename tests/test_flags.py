@@ -1,0 +1,53 @@
+"""Every ``kvseal serve`` flag reaches the process it concerns: set each to a value other than its default,
+build the argument lists ``serve`` starts its workers and its router with, parse those as the workers and the
+router do, and compare. A flag ``serve`` accepts and then drops (as ``--prefix-cache`` once was) fails here."""
+
+import argparse
+
+from kvseal.cli import parser
+from kvseal.server.launch import _router_argv, _worker_argv
+
+# serve's own (not forwarded as flags): where it listens, the colocated switch, what serve sets up itself
+SERVE_ONLY = {"help", "colocated", "host", "port", "transport", "insecure_no_auth", "share_cores"}
+
+
+def subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def other_value(action: argparse.Action) -> list[str]:
+    """Command-line words that give ``action`` a value other than its default."""
+    flag = action.option_strings[0]
+    if isinstance(action, argparse._StoreTrueAction):
+        return [flag]
+    if action.choices:
+        return [flag, next(str(c) for c in action.choices if c != action.default)]
+    if action.nargs == "+":
+        return [flag, "name-a", "name-b"]
+    if action.type is int:
+        return [flag, str((action.default or 0) + 7)]
+    if action.type is float:
+        return [flag, str((action.default or 0) + 2.5)]
+    return [flag, "key=tenant" if action.dest == "api_key" else f"/tmp/{action.dest}"]
+
+
+def test_every_serve_flag_reaches_the_process_it_concerns():
+    serve = subparser("serve")
+    actions = [a for a in serve._actions if a.option_strings and a.dest not in SERVE_ONLY]
+    words = [w for a in actions for w in other_value(a)]
+    a = parser().parse_args(["serve", *words])
+    worker_dests = {x.dest for x in subparser("prefill")._actions}
+    router_dests = {x.dest for x in subparser("router")._actions}
+    w = parser().parse_args(["prefill", "--port", "1", *_worker_argv(a)])
+    r = parser().parse_args(["router", "--prefill", "u", "--decode", "u", *_router_argv(a)])
+    reached = set()
+    for act in actions:
+        d = act.dest
+        if d in worker_dests:
+            assert getattr(w, d) == getattr(a, d), f"--{d} does not reach the workers"
+            reached.add(d)
+        if d in router_dests:
+            assert getattr(r, d) == getattr(a, d), f"--{d} does not reach the router"
+            reached.add(d)
+    assert reached == {act.dest for act in actions}, f"flags no process takes: {sorted({x.dest for x in actions} - reached)}"
