@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvseal-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile $(wildcard kvseal/model/csrc/*.cpp kvseal/model/csrc/*.h)
-	@dpkg -s libibverbs1 spin g++ g++-aarch64-linux-gnu qemu-user binutils >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2 spin g++ g++-aarch64-linux-gnu qemu-user binutils; }
+	@dpkg -s libibverbs1 spin g++ g++-aarch64-linux-gnu qemu-user binutils prometheus >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2 spin g++ g++-aarch64-linux-gnu qemu-user binutils prometheus; }
 	@command -v java >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends default-jre-headless; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard kvseal/model/csrc/*.cpp kv
 	@touch $(STAMP)
 
 serve: setup
-	$(BIN)/kvseal serve
+	$(BIN)/kvseal serve $(ARGS)
 
 test: setup
 	MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=4096 MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER=4096 \

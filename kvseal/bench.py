@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None, help="the key to send (a server started with --api-key)")
     p.add_argument("--streams", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--output", type=int, default=128, help="output tokens per request")
@@ -57,12 +58,14 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
 
 
 async def level(url: str, model: str, streams: int, n_prompt: int, n_out: int, per_stream: int,
-                as_text: Callable[[list[int]], str] | None = None, extra: dict | None = None) -> dict:
+                as_text: Callable[[list[int]], str] | None = None, extra: dict | None = None,
+                key: str | None = None) -> dict:
     """``as_text``: send prompts as text (for servers that take no token ids); ``extra``: more body fields."""
     rng = random.Random(streams)
     limits = httpx.Limits(max_connections=streams + 4)
     text = as_text or (lambda ids: ids)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
         async def worker() -> list[dict]:
             return [await one(client, url, model, text([rng.randrange(100, 40000) for _ in range(n_prompt)]), n_out,
                               extra) for _ in range(per_stream)]
@@ -200,12 +203,12 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
 
 def run(a: argparse.Namespace) -> dict:
     streams = [int(s) for s in a.streams.split(",")]
-    model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]
+    model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]  # open, as vLLM's
     levels = []
     with RssSampler(a.server_pid) as rss:
         for s in streams:
             before = engine_counters(a.url)
-            lv = asyncio.run(level(a.url, model, s, a.prompt, a.output, a.requests_per_stream))
+            lv = asyncio.run(level(a.url, model, s, a.prompt, a.output, a.requests_per_stream, key=a.api_key))
             lv["step_breakdown"] = step_breakdown(before, engine_counters(a.url), lv["wall_s"])
             levels.append(lv)
     result = {"url": a.url, "model": model, "prompt": a.prompt, "output": a.output, "levels": levels,

@@ -31,7 +31,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bf16 where the CPU has bf16 dot products (AVX-512 BF16, AMX, Arm BF16), else fp32")
     p.add_argument("--kv-pool-tokens", type=int, default=None, help="pool size in tokens")
     p.add_argument("--kv-memory", type=float, default=1.5, help="pool memory in GiB (if no --kv-pool-tokens)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--context", "--max-model-len", dest="context", type=int, default=None,
                    help="served context (default: the model's)")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer (HF directory or GGUF file) "
@@ -40,7 +40,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of the checkpoint's shape (sizing, benchmarks), as vLLM's")
     p.add_argument("--allow-pool-below-context", action="store_true",
                    help="cap the served context at the pool instead of refusing to start")
-    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-running", type=int, default=64, help="requests in the running batch at most")
     p.add_argument("--step-token-budget", type=int, default=512,
                    help="tokens per engine step (decodes + prefill chunks); bounds every stream's inter-token gap")
     p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
@@ -96,7 +96,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="the secret before a rotation, still accepted")
     p.add_argument("--insecure-no-auth", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ssl-certfile", default=None, help="serve this process's HTTP over TLS with this certificate")
-    p.add_argument("--ssl-keyfile", default=None)
+    p.add_argument("--ssl-keyfile", default=None, help="the private key of --ssl-certfile")
     p.add_argument("--ssl-ca", default=None, metavar="FILE",
                    help="CA that signs the other nodes' certificates (worker URLs are then https://)")
 
@@ -118,35 +118,41 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="router + prefill + decode on this host (or --colocated)")
     add_worker_args(s)
     s.add_argument("--colocated", action="store_true", help="one process does prefill and decode")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
+    s.add_argument("--host", default="127.0.0.1", help="address the front door listens on")
+    s.add_argument("--port", type=int, default=8000,
+                   help="the front door's port (workers: the next two)")
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
+                   help="a client key and its tenant (repeatable); none: single-tenant")
     s.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
-    s.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+    s.add_argument("--transport", default="shm", choices=["shm", "mooncake"],
+                   help="how prefill writes pages into decode's pool")
     s.add_argument("--insecure-no-auth", action="store_true", help=argparse.SUPPRESS)
     add_front_args(s)
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"a {role} worker")
         add_worker_args(w)
         add_cluster_args(w)
-        w.add_argument("--host", default="127.0.0.1")
-        w.add_argument("--port", type=int, required=True)
-        w.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+        w.add_argument("--host", default="127.0.0.1", help="address this worker listens on (and Mooncake binds)")
+        w.add_argument("--port", type=int, required=True, help="this worker's port")
+        w.add_argument("--transport", default="shm", choices=["shm", "mooncake"],
+                       help="how page bytes move between prefill and decode (both workers alike)")
         w.add_argument("--shared-weights", default=None, metavar="FILE",
                        help="share one copy of the packed weights with the other workers of this host through FILE "
                             "(kvseal serve does this itself)")
-        w.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
+        w.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"],
+                       help="Mooncake's transport protocol")
         w.add_argument("--mooncake-devices", default="", metavar="NIC[,NIC]", help="RDMA devices, e.g. mlx5_0")
         if role == "decode":
             w.add_argument("--lease-ttl", type=float, default=120.0,
                            help="seconds before a never-committed lease is revoked and freed (0: never)")
     r = sub.add_parser("router", help="OpenAI front door over remote workers")
     add_cluster_args(r)
-    r.add_argument("--prefill", action="append", required=True, metavar="URL")
-    r.add_argument("--decode", action="append", required=True, metavar="URL")
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=8000)
-    r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
+    r.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill worker (repeatable)")
+    r.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode worker (repeatable)")
+    r.add_argument("--host", default="127.0.0.1", help="address the router listens on")
+    r.add_argument("--port", type=int, default=8000, help="the router's port")
+    r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
+                   help="a client key and its tenant (repeatable); none: single-tenant")
     r.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
     r.add_argument("--model", default=None, help="the checkpoint the workers serve: its name, tokenizer, "
                    "generation config (default: SmolLM2-135M-Instruct)")
@@ -163,11 +169,12 @@ def parser() -> argparse.ArgumentParser:
         r.add_argument(flag, dest=f"unsafe_{name}", action="store_true", help=argparse.SUPPRESS)
     r.add_argument("--unsafe-no-all", action="store_true", help=argparse.SUPPRESS)
     pf = sub.add_parser("preflight", help="print the pool sizing table without serving")
-    pf.add_argument("--model", default=None)
-    pf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    pf.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    pf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="the KV pool's dtype")
     pf.add_argument("--memory", type=float, required=True, help="pool memory in GiB")
-    pf.add_argument("--context", "--max-model-len", dest="context", type=int, default=None)
-    pf.add_argument("--page-size", type=int, default=16)
+    pf.add_argument("--context", "--max-model-len", dest="context", type=int, default=None,
+                    help="served context (default: the model's)")
+    pf.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     b = sub.add_parser("bench", help="load benchmark against an OpenAI-compatible server")
     from kvseal.bench import add_args
 

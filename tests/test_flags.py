@@ -51,3 +51,33 @@ def test_every_serve_flag_reaches_the_process_it_concerns():
             assert getattr(r, d) == getattr(a, d), f"--{d} does not reach the router"
             reached.add(d)
     assert reached == {act.dest for act in actions}, f"flags no process takes: {sorted({x.dest for x in actions} - reached)}"
+
+
+def test_kvseal_bench_sends_its_api_key(tmp_path):
+    """Against a keyed server: with ``--api-key`` the benchmark runs, without it every request is a 401."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import Server
+
+    s = Server(["serve", "--colocated", "--kv-pool-tokens", "8192", "--api-key", "key-a=tenant-a"])
+    try:
+        bench = [sys.executable, "-m", "kvseal.cli", "bench", "--url", s.url, "--streams", "1", "--prompt", "8",
+                 "--output", "4", "--out", str(tmp_path / "b")]
+        r = subprocess.run([*bench, "--api-key", "key-a"], capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads((tmp_path / "b.json").read_text())["levels"][0]["output_tok_s"] > 0
+        r = subprocess.run(bench, capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode != 0 and "401" in r.stderr
+    finally:
+        s.stop()
+
+
+def test_the_flag_reference_is_current():
+    from pathlib import Path
+
+    from kvseal.flagdoc import render
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
+    assert doc.read_text() == render(), "docs/flags.md is stale: python -m kvseal.flagdoc > docs/flags.md"

@@ -48,3 +48,60 @@ def test_a_corrupted_transfer_is_counted_by_its_reason():
         decode, prefill = scrape(t.dec.url), scrape(t.pre.url)
     assert decode['kvseal_transfer_refusals_total{reason="checksum"}'] == 1
     assert prefill['kvseal_transfers_total{outcome="kv_integrity_error"}'] == 1
+
+
+def test_the_grafana_dashboard_reads_only_metrics_a_cluster_exports(disagg):
+    """Every series deploy/grafana/kvseal.json queries is exported by the router, prefill or decode of a live
+    cluster (a renamed metric would leave an empty panel)."""
+    import json
+    from pathlib import Path
+
+    assert complete(disagg.url, "The capital of France is", 4).status_code == 200
+    dash = json.loads((Path(__file__).resolve().parent.parent / "deploy/grafana/kvseal.json").read_text())
+    wanted = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"kvseal[_:][a-zA-Z_:]+", t["expr"])}
+    port = int(disagg.url.rsplit(":", 1)[1])
+    exported = set()
+    for i in range(3):
+        exported |= {k.split("{")[0] for k in scrape(f"http://127.0.0.1:{port + i}")}
+    assert wanted and not wanted - exported, f"the dashboard asks for {sorted(wanted - exported)}"
+
+
+def test_a_real_prometheus_scrapes_every_process(disagg, tmp_path):
+    """Prometheus (Debian's ``prometheus``) with deploy/prometheus.yml's jobs pointed at a live cluster: one
+    gateway gauge comes back from each of the three processes."""
+    import shutil
+    import subprocess
+    import time
+
+    import pytest
+    import yaml
+    from conftest import free_port
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus is not installed (make setup installs Debian's)")
+    port = int(disagg.url.rsplit(":", 1)[1])
+    from pathlib import Path
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "deploy/prometheus.yml").read_text())
+    cfg["global"]["scrape_interval"] = "1s"
+    for i, job in enumerate(cfg["scrape_configs"]):
+        job["static_configs"][0]["targets"] = [f"127.0.0.1:{port + i}"]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    web = free_port()
+    p = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path}/db",
+                          f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        jobs: set[str] = set()
+        deadline = time.time() + 60
+        while time.time() < deadline and len(jobs) < 3:
+            time.sleep(1)
+            try:
+                r = httpx.get(f"http://127.0.0.1:{web}/api/v1/query", params={"query": "kvseal:kv_cache_usage_perc"})
+                jobs = {s["metric"]["job"] for s in r.json()["data"]["result"]}
+            except (httpx.HTTPError, KeyError, ValueError):
+                continue
+        assert jobs == {"kvseal-router", "kvseal-prefill", "kvseal-decode"}, jobs
+    finally:
+        p.terminate()
+        p.wait(10)
