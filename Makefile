@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvseal-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile $(wildcard kvseal/model/csrc/*.cpp kvseal/model/csrc/*.h)
-	@dpkg -s libibverbs1 spin g++ g++-aarch64-linux-gnu qemu-user binutils prometheus >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2 spin g++ g++-aarch64-linux-gnu qemu-user binutils prometheus; }
+	@dpkg -s libibverbs1 spin g++ g++-aarch64-linux-gnu qemu-user binutils prometheus chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 iproute2 spin g++ g++-aarch64-linux-gnu qemu-user binutils prometheus chromium; }
 	@command -v java >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends default-jre-headless; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

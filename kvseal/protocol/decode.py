@@ -186,6 +186,7 @@ class DecodeCore:
         # leases that ended without a verified transfer, by reason (coverage, tag, checksum, fence, timeout):
         # counts for /metrics, no decision reads them
         self.refused: collections.Counter[str] = collections.Counter()
+        self.recent: collections.deque[tuple[str, int]] = collections.deque(maxlen=20)  # (reason, rid), newest last
 
     def _move(self, lease: Lease, event: str, target: LeaseState | None) -> None:
         TABLE.check(lease.state.name, event, target.name if target else "CLOSED")
@@ -300,6 +301,7 @@ class DecodeCore:
 
     def _reject(self, lease: Lease, event: str, e: EngineError, reason: str) -> list:
         self.refused[reason] += 1
+        self.recent.append((reason, lease.rid))
         acts = [] if lease.state is LeaseState.VERIFYING else [Conceal(lease.rid)]
         self._move(lease, event, LeaseState.QUARANTINED)
         return acts + [Quarantine(lease.rid), End(lease.rid, "error", e),

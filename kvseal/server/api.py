@@ -31,7 +31,10 @@ from pydantic import ValidationError
 from kvseal.engine.errors import BadRequest, ContextLengthError, EngineError
 from kvseal.engine.grammar import compile_response_format
 from kvseal.engine.sampling import SamplingParams
+from kvseal.kv.pool import tenant_tag
 from kvseal.server.backend import Backend, GenRequest
+from kvseal.server.dashboard import PAGE as DASHBOARD
+from kvseal.server.dashboard import STATES
 from kvseal.server.metrics import Metrics
 from kvseal.server.reply import Formatter, Piece, Reply, close_all, error_response, sse, whole
 from kvseal.server.schema import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
@@ -118,6 +121,18 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     @app.get("/metrics")
     async def prom() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(DASHBOARD.read_text(), media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+
+    @app.get("/dashboard/data")
+    async def dashboard_data(request: Request) -> JSONResponse:
+        tenants.authenticate_admin(request.headers.get("authorization"))
+        names = {str(tenant_tag(t)): t for t in {*tenants.keys.values(), "default"}}
+        return JSONResponse({"states": STATES, "tenants": names, "pools": await backend.pages()},
+                            headers={"Cache-Control": "no-store"})
 
     @app.get("/v1/models")
     async def models() -> dict:

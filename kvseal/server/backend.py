@@ -41,6 +41,9 @@ class Backend(Protocol):
 
     async def health(self) -> dict: ...
 
+    async def pages(self) -> list[dict]:
+        """Every pool's pages (``kvseal.server.dashboard``): name, role, page_size, state and tenant tags."""
+
 
 async def drain(q: asyncio.Queue, on_exit: object) -> AsyncIterator[Event]:
     """Yield events until the final one; if the consumer leaves first, call ``on_exit``."""
@@ -107,6 +110,12 @@ class EngineBackend:
 
     async def health(self) -> dict:
         return {"status": "ok", "pools": [await pool_health(self.engine)]}
+
+    async def pages(self) -> list[dict]:
+        """Every page of the pool, for the dashboard."""
+        from kvseal.server.dashboard import pool_snapshot
+
+        return [{"name": "colocated", **await pool_snapshot(self.engine)}]
 
 
 async def pool_health(engine: Engine, quick: bool = False) -> dict:

@@ -23,7 +23,8 @@ def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None, keys_file
     print(sizing.table(), flush=True)
     served = front(front_args, lm.tokenizer) if front_args is not None else None
     backend = EngineBackend(engine, served.names[0] if served else lm.name, lm.model.cfg.eos_token_ids)
-    return create_app(backend, lm.tokenizer, metrics, Tenants.load(api_keys or [], keys_file), served), backend
+    admin = front_args.admin_key if front_args is not None else None
+    return create_app(backend, lm.tokenizer, metrics, Tenants.load(api_keys or [], keys_file, admin), served), backend
 
 
 def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str], keys_file: str | None = None,

@@ -39,6 +39,7 @@ from kvseal.kv.pool import PageRun, PageState
 from kvseal.protocol import decode as core
 from kvseal.protocol.decode import DecodeCore, LeaseRevoked, WriterFenced  # noqa: F401 - re-exported
 from kvseal.server.backend import StepBatcher, pool_health
+from kvseal.server.dashboard import pool_snapshot
 from kvseal.server.guard import INSECURE, peer_of
 from kvseal.transfer import protocol as P
 from kvseal.transfer.auth import Forbidden, Peer
@@ -457,6 +458,15 @@ def decode_app(svc: DecodeService) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(svc.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/pages")
+    async def pages() -> JSONResponse:
+        snap = await pool_snapshot(svc.engine)
+        with svc.lock:
+            leases = collections.Counter(lease.state.name.lower() for lease in svc.core.leases.values())
+            refused, recent = dict(svc.core.refused), list(svc.core.recent)
+        return JSONResponse({**snap, "leases": dict(leases), "refused": refused,
+                             "recent": [{"reason": r, "rid": str(rid)} for r, rid in reversed(recent)]})
 
     @app.get("/health")
     async def health(request: Request, quick: bool = False) -> JSONResponse:

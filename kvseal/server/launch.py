@@ -52,6 +52,8 @@ def _router_argv(a: argparse.Namespace) -> list[str]:
         out += ["--served-model-name", *a.served_model_name]
     if a.per_tenant_metrics:
         out.append("--per-tenant-metrics")
+    if a.admin_key:
+        out += ["--admin-key", a.admin_key]
     out += [f for f in _worker_argv(a) if f.startswith("--unsafe")]
     for k in a.api_key:
         out += ["--api-key", k]

@@ -27,6 +27,7 @@ from kvseal.faults import Faults
 from kvseal.protocol import prefill as core
 from kvseal.protocol.prefill import LeaseExpired, PrefillCore  # noqa: F401 - re-exported
 from kvseal.server.backend import pool_health
+from kvseal.server.dashboard import pool_snapshot
 from kvseal.server.decode import ack_error
 from kvseal.server.guard import peer_of
 from kvseal.transfer import protocol as P
@@ -242,6 +243,10 @@ def prefill_app(svc: PrefillService) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(svc.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/pages")
+    async def pages() -> JSONResponse:
+        return JSONResponse(await pool_snapshot(svc.engine))
 
     @app.get("/health")
     async def health(request: Request, quick: bool = False) -> JSONResponse:

@@ -101,6 +101,19 @@ class DisaggBackend:
         for d in self.decodes:
             d.mux = TokenMux(self.client, d.url, self.subscriber, timeout, on_dead=lambda d=d: _down(d))
 
+    async def pages(self) -> list[dict]:
+        """Every page of every worker's pool (their signed ``/pages``), for the dashboard; a worker that does not
+        answer is listed with its error."""
+        async def one(w: Worker) -> dict:
+            try:
+                r = await self.client.get(w.url + "/pages", timeout=self.probe_timeout)
+                r.raise_for_status()
+                return {"name": f"{w.role} {w.url}", **r.json()}
+            except (httpx.HTTPError, ValueError) as e:
+                return {"name": f"{w.role} {w.url}", "error": str(e)[:200], "state": "", "tenant": ""}
+
+        return list(await asyncio.gather(*[one(w) for w in self.prefills + self.decodes]))
+
     def metric_rows(self) -> list[tuple]:
         """The GAIE gauges for the router as one model server: requests before their first token are waiting,
         the rest running; KV usage is the fullest decode pool's at its last probe."""

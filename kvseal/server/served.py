@@ -38,6 +38,8 @@ def add_front_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the tokenizer's")
     p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="sampling defaults from generation_config.json (auto: the checkpoint's); requests override")
+    p.add_argument("--admin-key", default=None, metavar="KEY",
+                   help="the operator's key: /dashboard (pages of every pool, by state and tenant); off without it")
     p.add_argument("--per-tenant-metrics", action="store_true",
                    help="label request and prefix-cache metrics with tenant names (default: one label, 'all')")
 

@@ -17,9 +17,31 @@ class Unauthorized(BadRequest):
     code = "invalid_api_key"
 
 
+class Forbidden(BadRequest):
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(BadRequest):
+    status = 404
+    code = "not_found"
+
+
 class Tenants:
-    def __init__(self, keys: dict[str, str] | None = None) -> None:
+    def __init__(self, keys: dict[str, str] | None = None, admin: str | None = None) -> None:
         self.keys = dict(keys or {})
+        self.admin = admin  # the operator's key (--admin-key): the dashboard, tenant names
+
+    def authenticate_admin(self, authorization: str | None) -> None:
+        """The admin key, or 404 (no admin key configured), 403 (a tenant's key) or 401 (anything else)."""
+        if not self.admin:
+            raise NotFound("the dashboard needs --admin-key")
+        token = (authorization or "").removeprefix("Bearer ").strip().encode()
+        if hmac.compare_digest(self.admin.encode(), token):
+            return
+        if any(hmac.compare_digest(k.encode(), token) for k in self.keys):
+            raise Forbidden("this key is a tenant's, not the admin's")
+        raise Unauthorized("invalid or missing admin key")
 
     @classmethod
     def parse(cls, specs: list[str]) -> Tenants:
@@ -33,10 +55,14 @@ class Tenants:
         return cls(keys)
 
     @classmethod
-    def load(cls, specs: list[str], path: str | None = None) -> Tenants:
+    def load(cls, specs: list[str], path: str | None = None, admin: str | None = None) -> Tenants:
         """``--api-key`` pairs plus a file of ``KEY=TENANT`` lines (``#`` comments): keys out of ``ps``."""
         lines = Path(path).read_text().splitlines() if path else []
-        return cls.parse([*specs, *(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))])
+        t = cls.parse([*specs, *(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))])
+        if admin is not None and admin in t.keys:
+            raise ValueError("--admin-key must differ from every tenant's key")
+        t.admin = admin
+        return t
 
     def describe(self) -> str:
         """The line a server prints at start."""

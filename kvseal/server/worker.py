@@ -87,7 +87,7 @@ def serve_router(a: argparse.Namespace) -> None:
                             queue_timeout=a.queue_timeout, http=http)
     metrics = Metrics(per_tenant=a.per_tenant_metrics)
     metrics.add_source(backend.metric_rows)
-    app = create_app(backend, tokenizer, metrics, Tenants.load(a.api_key, a.api_keys), served)
+    app = create_app(backend, tokenizer, metrics, Tenants.load(a.api_key, a.api_keys, a.admin_key), served)
 
     @asynccontextmanager
     async def lifespan(_app):

@@ -54,6 +54,7 @@ ROUTES: dict[str, frozenset[str]] = {
     "/streams/": frozenset({"router"}),  # a prefix: /streams/{name}
     "/health": frozenset(ROLES),
     "/metrics": frozenset(ROLES),
+    "/pages": frozenset({"router"}),  # every page's state and tenant tag: the admin's dashboard
 }
 OPEN = frozenset({"/health", "/metrics"})
 
