@@ -71,7 +71,8 @@ def test_the_picture_shows_each_page_in_its_state(tmp_path):
         started.wait(60)  # every request is decoding
         before = counts(data(s.url).json())
         png = tmp_path / "dashboard.png"
-        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--force-device-scale-factor=1",
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                        "--force-device-scale-factor=1",
                         "--force-color-profile=srgb", "--hide-scrollbars", "--window-size=700,900",
                         "--virtual-time-budget=3000", f"--screenshot={png}", f"{s.url}/dashboard#key={ADMIN}"],
                        capture_output=True, timeout=120, check=True)
