@@ -122,7 +122,8 @@ class Server:
     def health(self) -> dict:
         if self.worker:  # pool details only for signed callers
             return signed("GET", self.url + "/health", timeout=10, verify=self.verify).json()
-        return httpx.get(self.url + "/health", timeout=10, verify=self.verify).json()
+        # a router's full health: each worker's pool checked now (the quick probes carry no integrity check)
+        return httpx.get(self.url + "/health", params={"full": "true"}, timeout=30, verify=self.verify).json()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -140,7 +141,7 @@ def wait_pages_back(server: Server, timeout: float = 20) -> dict:
     while time.time() < deadline:
         h = server.health()
         pools = h.get("pools", [h])
-        if all(p["free_pages"] == p["total_pages"] and p.get("integrity_ok", True) for p in pools):
+        if all(p.get("free_pages") == p.get("total_pages") and p.get("integrity_ok") is True for p in pools):
             return h
         time.sleep(0.2)
     raise AssertionError(f"pages not returned: {h}")

@@ -176,3 +176,26 @@ def test_a_request_whose_events_stop_fails_instead_of_hanging():
         assert got == [(11,)]
 
     asyncio.run(asyncio.wait_for(run(), 5))  # without the bound this would hang: fail it instead
+
+
+def test_a_duplicate_reserve_racing_the_first_leaks_no_pages():
+    """Two reserves for one rid at once: the second is refused (403) and, once the first lease is aborted and
+    its writer done, every page is back. (The second used to take pages of its own and overwrite the first's
+    record before the core refused it, so the first lease's pages were never released.)"""
+    async def scenario() -> tuple[list, int, int]:
+        cfg = EngineConfig(pool=PoolConfig(num_pages=4, page_size=16), dtype="fp32")
+        pool = PagePool(cfg.pool, 2, 1, 8, torch.float32)
+        svc = DecodeService(Engine(cfg, None, pool, role="decode").start(), (), "unused", "d0")
+        try:
+            got = await asyncio.gather(svc.reserve(reserve(1)), svc.reserve(reserve(1)), return_exceptions=True)
+            lease = next(g for g in got if isinstance(g, P.Lease))
+            await svc.abort(P.Abort(rid=1))
+            await svc.writer_done(P.WriterDone(rid=1, nonce=lease.nonce, cap=lease.cap))
+            await asyncio.wrap_future(svc.engine.call(svc.pool.check_integrity))
+            return got, svc.pool.num_free, pool.cfg.num_pages
+        finally:
+            svc.engine.stop()
+
+    got, free, total = asyncio.run(scenario())
+    assert sorted(type(g).__name__ for g in got) == ["Forbidden", "Lease"], got
+    assert free == total, f"{total - free} pages never came back"

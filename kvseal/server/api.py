@@ -114,8 +114,8 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        h = await backend.health()
+    async def health(full: bool = False) -> JSONResponse:
+        h = await backend.health(full)
         return JSONResponse(h, status_code=200 if h.get("status") == "ok" else 503)
 
     @app.get("/metrics")

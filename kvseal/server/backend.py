@@ -39,7 +39,8 @@ class Backend(Protocol):
     def check_capacity(self) -> None:
         """Raise (429/503) if a new request would be shed anyway; called before the body is read."""
 
-    async def health(self) -> dict: ...
+    async def health(self, full: bool = False) -> dict:
+        """Load and pools; ``full``: each pool's conservation check too, taken now (not from the last probe)."""
 
     async def pages(self) -> list[dict]:
         """Every pool's pages (``kvseal.server.dashboard``): name, role, page_size, state and tenant tags."""
@@ -108,7 +109,7 @@ class EngineBackend:
     def check_capacity(self) -> None:
         pass  # the engine queues: backpressure, never shedding
 
-    async def health(self) -> dict:
+    async def health(self, full: bool = False) -> dict:
         return {"status": "ok", "pools": [await pool_health(self.engine)]}
 
     async def pages(self) -> list[dict]:

@@ -134,6 +134,7 @@ class DecodeService:
         if engine.metrics:
             engine.metrics.add_source(self._metric_rows)
         self.held: dict[int, Held] = {}
+        self.reserving: set[int] = set()  # rids between the reserve's check and its lease: one reserve per rid
         self.batcher = StepBatcher(engine)
         self.outboxes: dict[str, Outbox] = {}
         self.heartbeat = 1.0
@@ -275,21 +276,31 @@ class DecodeService:
         self._feed(lambda: self.core.check_reserve(r.rid, r.prefill_id, router, len(r.prompt), r.max_new,
                                                    cfg.admit_limit, self.prot.admission,
                                                    self.pool.cfg.capacity_tokens, cfg.context_window))
-        if self.faults.fire("delay_reserve"):
-            await asyncio.sleep(self.faults.delay)
-        box = self.outbox(r.subscriber, peer)
-        run = await self._take_pages(r.rid, self.pool.cfg.pages_for(len(r.prompt)), self.engine.tenant_tag(r.tenant))
-        if self.lease_ttl and self._expiry is None:
-            self._expiry = asyncio.ensure_future(self._expire_loop())
-        self.held[r.rid] = Held(r, run, box, self._sink(box))
+        # A second reserve for a rid whose first is still waiting for pages would take pages of its own and
+        # overwrite the first's record, leaving the first lease with no pages record: refused here, at once.
+        if r.rid in self.reserving or r.rid in self.held:
+            raise Forbidden(f"request {r.rid} already holds or is taking a lease on this decode")
+        self.reserving.add(r.rid)
         try:
-            cap, acts = self._feed(lambda: self.core.reserve(
-                r.rid, secrets.randbits(62), r.prefill_id, router, r.subscriber, len(r.prompt), run.pages,
-                run.generations, time.monotonic()))
-        except EngineError:
-            self.held.pop(r.rid, None)
-            self.engine.call(lambda: self.pool.free(run))
-            raise
+            if self.faults.fire("delay_reserve"):
+                await asyncio.sleep(self.faults.delay)
+            box = self.outbox(r.subscriber, peer)
+            run = await self._take_pages(r.rid, self.pool.cfg.pages_for(len(r.prompt)),
+                                         self.engine.tenant_tag(r.tenant))
+            if self.lease_ttl and self._expiry is None:
+                self._expiry = asyncio.ensure_future(self._expire_loop())
+            held = self.held[r.rid] = Held(r, run, box, self._sink(box))
+            try:
+                cap, acts = self._feed(lambda: self.core.reserve(
+                    r.rid, secrets.randbits(62), r.prefill_id, router, r.subscriber, len(r.prompt), run.pages,
+                    run.generations, time.monotonic()))
+            except EngineError:
+                if self.held.get(r.rid) is held:
+                    self.held.pop(r.rid)
+                self.engine.call(lambda: self.pool.free(run))
+                raise
+        finally:
+            self.reserving.discard(r.rid)
         self._on_loop(acts)
         return P.Lease(rid=r.rid, nonce=cap.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,

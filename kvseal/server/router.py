@@ -166,10 +166,20 @@ class DisaggBackend:
             await self.refresh()
             await asyncio.sleep(period)
 
-    async def health(self) -> dict:
+    async def health(self, full: bool = False) -> dict:
+        """``full``: every healthy worker's pool probed now, with its conservation check (``integrity_ok``);
+        otherwise the last quick probes, which carry load only."""
         ok = any(w.healthy for w in self.prefills) and any(w.healthy for w in self.decodes)
-        return {"status": "ok" if ok else "degraded",
-                "pools": [w.info | {"url": w.url} for w in self.prefills + self.decodes if w.healthy],
+        live = [w for w in self.prefills + self.decodes if w.healthy]
+
+        async def now(w: Worker) -> dict:
+            try:
+                return (await self.client.get(w.url + "/health", timeout=15)).json() | {"url": w.url}
+            except (httpx.HTTPError, ValueError) as e:
+                return {"url": w.url, "error": str(e)[:200], "integrity_ok": False}
+
+        pools = list(await asyncio.gather(*[now(w) for w in live])) if full else [w.info | {"url": w.url} for w in live]
+        return {"status": "ok" if ok else "degraded", "pools": pools,
                 "workers": {w.url: w.healthy for w in self.prefills + self.decodes}}
 
     def check_capacity(self) -> None:
