@@ -7,7 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PEERS = {"--cont-batching", "--parallel", "--enforce-eager"}  # llama-server's and vLLM's, in the benchmark notes
+# llama-server's and vLLM's (in the benchmark notes), Prometheus' (in the operator's tour)
+PEERS = {"--cont-batching", "--parallel", "--enforce-eager", "--config", "--storage"}
 PREFIXES = ("--unsafe-", "--unsafe-no-")  # the protections' switches, named as a family
 
 
