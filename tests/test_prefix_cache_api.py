@@ -22,7 +22,7 @@ def chat(url: str, key: str, question: str) -> dict:
 
 
 def metric(url: str, name: str, tenant: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers={"Authorization": "Bearer adm"}, timeout=10).text
     m = re.search(rf'^{name}_total{{tenant="{tenant}"}} (\S+)$', text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
@@ -31,7 +31,7 @@ def metric(url: str, name: str, tenant: str) -> float:
 def test_a_tenant_hits_its_own_prefix_and_never_anothers(mode):
     args = ["serve", "--dtype", "fp32", "--kv-pool-tokens", "8192", *KEYS]
     per_tenant = mode == "colocated"  # per-tenant series only where asked for; the other mode checks they are not
-    s = Server(args + (["--colocated", "--per-tenant-metrics"] if per_tenant else []))
+    s = Server(args + (["--colocated", "--per-tenant-metrics", "--admin-key", "adm"] if per_tenant else []))
     try:
         cold = chat(s.url, "key-a", "Where are the foghorns?")
         warm = chat(s.url, "key-a", "Where are the foghorns?")
@@ -42,7 +42,9 @@ def test_a_tenant_hits_its_own_prefix_and_never_anothers(mode):
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         texts = [r["choices"][0]["message"]["content"] for r in (cold, warm, other)]
         assert texts[0] == texts[1] == texts[2], texts  # fp32: the cache changes no output
-        if per_tenant:
+        if per_tenant:  # tenant-named series answer the admin key only
+            assert httpx.get(s.url + "/metrics", timeout=10).status_code == 401
+            assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer key-a"}, timeout=10).status_code == 403
             assert metric(s.url, "kvseal_prefix_cache_hits", "tenant-a") == (n_prompt - 1) // 16 * 16
             assert metric(s.url, "kvseal_prefix_cache_hits", "tenant-b") == 0
             assert metric(s.url, "kvseal_prefix_cache_queries", "tenant-b") == n_prompt

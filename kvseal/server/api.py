@@ -119,7 +119,9 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         return JSONResponse(h, status_code=200 if h.get("status") == "ok" else 503)
 
     @app.get("/metrics")
-    async def prom() -> Response:
+    async def prom(request: Request) -> Response:
+        if metrics.per_tenant:  # tenant names and their cache hits: the admin's to read (--per-tenant-metrics)
+            tenants.authenticate_admin(request.headers.get("authorization"))
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/dashboard")

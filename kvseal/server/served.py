@@ -41,7 +41,8 @@ def add_front_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-key", default=None, metavar="KEY",
                    help="the operator's key: /dashboard (pages of every pool, by state and tenant); off without it")
     p.add_argument("--per-tenant-metrics", action="store_true",
-                   help="label request and prefix-cache metrics with tenant names (default: one label, 'all')")
+                   help="label request and prefix-cache metrics with tenant names (default: one label, 'all'); "
+                        "/metrics then answers only --admin-key")
 
 
 def model_path(model: str | None) -> Path:
@@ -93,6 +94,8 @@ def check_front(a: argparse.Namespace) -> None:
             jinja2.Environment().parse(template)
         except jinja2.TemplateSyntaxError as e:
             raise ConfigError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    if a.per_tenant_metrics and not a.admin_key:
+        raise ConfigError("--per-tenant-metrics needs --admin-key: series that name tenants are the admin's to read")
     if a.served_model_name is not None and (not a.served_model_name or any(not n for n in a.served_model_name)):
         raise ConfigError("--served-model-name needs non-empty names")
 
