@@ -196,3 +196,18 @@ class Trio:
 def complete(url: str, prompt: str, n: int = 8, key: str = "none", **kw) -> httpx.Response:
     return httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
                       json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, **kw})
+
+
+def prometheus_jobs(web_port: int, query: str, want: int = 3, timeout: float = 60) -> set[str]:
+    """The jobs a Prometheus on ``web_port`` has scraped ``query`` from, once it has ``want`` of them (or the
+    timeout passes)."""
+    jobs: set[str] = set()
+    deadline = time.time() + timeout
+    while time.time() < deadline and len(jobs) < want:
+        time.sleep(1)
+        try:
+            r = httpx.get(f"http://127.0.0.1:{web_port}/api/v1/query", params={"query": query})
+            jobs = {s["metric"]["job"] for s in r.json()["data"]["result"]}
+        except (httpx.HTTPError, KeyError, ValueError):
+            continue
+    return jobs

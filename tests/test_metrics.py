@@ -71,11 +71,10 @@ def test_a_real_prometheus_scrapes_every_process(disagg, tmp_path):
     gateway gauge comes back from each of the three processes."""
     import shutil
     import subprocess
-    import time
 
     import pytest
     import yaml
-    from conftest import free_port
+    from conftest import free_port, prometheus_jobs
 
     binary = shutil.which("prometheus")
     if binary is None:
@@ -92,15 +91,7 @@ def test_a_real_prometheus_scrapes_every_process(disagg, tmp_path):
     p = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path}/db",
                           f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        jobs: set[str] = set()
-        deadline = time.time() + 60
-        while time.time() < deadline and len(jobs) < 3:
-            time.sleep(1)
-            try:
-                r = httpx.get(f"http://127.0.0.1:{web}/api/v1/query", params={"query": "kvseal:kv_cache_usage_perc"})
-                jobs = {s["metric"]["job"] for s in r.json()["data"]["result"]}
-            except (httpx.HTTPError, KeyError, ValueError):
-                continue
+        jobs = prometheus_jobs(web, "kvseal:kv_cache_usage_perc")
         assert jobs == {"kvseal-router", "kvseal-prefill", "kvseal-decode"}, jobs
     finally:
         p.terminate()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, prometheus_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,15 +63,7 @@ def test_the_readme_tour_runs_as_written(tmp_path):
         procs.append(subprocess.Popen(local(scrape) + f" --web.listen-address=127.0.0.1:{web}", shell=True, cwd=ROOT,
                                       env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
-        jobs: set[str] = set()
-        deadline = time.time() + 60
-        while time.time() < deadline and len(jobs) < 3:
-            time.sleep(1)
-            try:
-                r = httpx.get(f"http://127.0.0.1:{web}/api/v1/query", params={"query": "kvseal:kv_cache_usage_perc"})
-                jobs = {s["metric"]["job"] for s in r.json()["data"]["result"]}
-            except (httpx.HTTPError, KeyError, ValueError):
-                continue
+        jobs = prometheus_jobs(web, "kvseal:kv_cache_usage_perc")
         assert jobs == {"kvseal-router", "kvseal-prefill", "kvseal-decode"}, jobs
     finally:
         for p in reversed(procs):
