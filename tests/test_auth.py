@@ -35,6 +35,8 @@ ROUTE_CALLS = {  # every internal route: (app, method, path, a role allowed ther
     "streams": ("decode", "GET", "/streams/abc", "router"),
     "prefill": ("prefill", "POST", "/prefill", "router"),
     "forget": ("prefill", "POST", "/kv/forget", "decode"),
+    "pages_decode": ("decode", "GET", "/pages", "router"),  # every page's tenant tag: the admin's dashboard
+    "pages_prefill": ("prefill", "GET", "/pages", "router"),
 }
 
 
