@@ -345,3 +345,14 @@ def test_dummy_weights_have_the_checkpoints_shapes_and_none_of_its_values(source
     assert real.model.cfg == dummy.model.cfg
     pairs = [(real.model.w.embed, dummy.model.w.embed), (real.model.w.layers[0].wqkv, dummy.model.w.layers[0].wqkv)]
     assert all(a.shape == b.shape and a.dtype == b.dtype and not torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_generation_config_out_of_bounds_is_refused_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 7.0}))
+    r = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", "--port", "18995", "--generation-config",
+                        str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "temperature 7.0" in lines[0], r.stderr[-2000:]

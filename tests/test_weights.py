@@ -68,3 +68,22 @@ def _key(f):
     with open(f, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
         return json.loads(fh.read(n))["key"]
+
+
+def test_a_checkpoint_changed_on_disk_is_never_read_from_an_older_shared_file(tmp_path, capfd, monkeypatch):
+    """The shared file names the checkpoint's files by size and time: after the checkpoint changes, a worker
+    keeps its own copy instead of mapping weights packed from the old one."""
+    import os
+    import shutil
+
+    from kvseal.model.loader import default_model_path
+
+    monkeypatch.setenv("KVSEAL_CACHE", "off")  # no load-cache entry for a copy that lives only this long
+    gguf = tmp_path / "model.gguf"
+    shutil.copy(default_model_path(), gguf)
+    f = tmp_path / "weights"
+    needs_gemm(load(gguf, torch.bfloat16, progress=False, shared=f))
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new checkpoint under the same name
+    load(gguf, torch.bfloat16, progress=False, shared=f)
+    assert "holds other weights" in capfd.readouterr().out

@@ -86,9 +86,7 @@ def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True, tok
         raise FileNotFoundError(f"{p}: expected a .gguf file or a directory with config.json")
     if tokenizer is not None and not dummy:
         tok = load_tokenizer(Path(tokenizer))
-    if len(tok) > cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary only {cfg.vocab_size}: "
-                          "they do not belong together")
+    _fits(tok, cfg)
     assembled = _assemble(cfg, raw, dtype)
     del raw
     name = p.stem if p.is_file() else p.name
@@ -100,9 +98,10 @@ def _load_shared(p: Path, file: Path, dtype: torch.dtype, progress: bool, tokeni
     from kvseal.model import cpu, shared
 
     mode = weights or ("bf16" if dtype == torch.bfloat16 else "fp32")
-    st = (p / "config.json").stat() if p.is_dir() else p.stat()
-    key = {"model": str(p.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns, "dtype": str(dtype),
-           "weights": mode, "level": cpu.choice().level, "dummy": dummy, "version": CACHE_VERSION}
+    files = sorted([p / "config.json", *p.glob("*.safetensors")]) if p.is_dir() else [p]
+    key = {"model": str(p.resolve()), "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+           "dtype": str(dtype), "weights": mode, "level": cpu.choice().level, "dummy": dummy,
+           "version": CACHE_VERSION}
     with shared.Lock(file):
         mapped = shared.read(file, key) if file.exists() else None
         if mapped is None:
@@ -127,7 +126,14 @@ def _load_shared(p: Path, file: Path, dtype: torch.dtype, progress: bool, tokeni
     head = embed if cfg.tie_embeddings else torch.empty((cfg.vocab_size, cfg.hidden_size), dtype=dtype, device="meta")
     w = Weights(embed=embed, layers=layers, norm=mapped["norm"], lm_head=head)
     tok = load_tokenizer(Path(tokenizer) if tokenizer else p)
+    _fits(tok, cfg)
     return LoadedModel(LlamaModel(cfg, w, dtype, "bf16", packed=mapped), tok, p.stem if p.is_file() else p.name, p)
+
+
+def _fits(tok: object, cfg: ModelConfig) -> None:
+    if len(tok) > cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary only {cfg.vocab_size}: "
+                          "they do not belong together")
 
 
 def _meta(cfg: ModelConfig, which: str, dtype: torch.dtype) -> torch.Tensor:
@@ -302,10 +308,7 @@ def inspect(path: str | Path | None, dummy: bool = False, tokenizer: str | Path 
     if not (p / "config.json").exists():
         raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
     cfg, raw = _shapes(p) if dummy else _read_hf_dir(p, progress=False, meta=True)
-    n = len(load_tokenizer(Path(tokenizer) if tokenizer else p))
-    if n > cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {n} tokens, the model's vocabulary only {cfg.vocab_size}: "
-                          "they do not belong together")
+    _fits(load_tokenizer(Path(tokenizer) if tokenizer else p), cfg)
     _assemble(cfg, raw, torch.float32, check_only=True)
     return cfg
 

@@ -95,6 +95,7 @@ class DisaggBackend:
         self.context_window = 0
         self.pool_tokens = 0
         self._tasks: set[asyncio.Task] = set()
+        self._full: tuple[float, asyncio.Future] | None = None  # the full health round in flight: (started, result)
         self.max_inflight = max_inflight  # per worker: past it, new requests are shed with 429 at once
         self.queue_timeout = max(queue_timeout, timeout)  # a transfer's wait for prefill, queue included
         self.subscriber = secrets.token_hex(8)  # names this router's token stream on every decode
@@ -167,20 +168,37 @@ class DisaggBackend:
             await asyncio.sleep(period)
 
     async def health(self, full: bool = False) -> dict:
-        """``full``: every healthy worker's pool probed now, with its conservation check (``integrity_ok``);
-        otherwise the last quick probes, which carry load only."""
+        """``full``: every healthy worker's pool probed after this call began, with its conservation check
+        (``integrity_ok``); otherwise the last quick probes, which carry load only."""
         ok = any(w.healthy for w in self.prefills) and any(w.healthy for w in self.decodes)
         live = [w for w in self.prefills + self.decodes if w.healthy]
+        pools = await self._full_pools() if full else [w.info | {"url": w.url} for w in live]
+        return {"status": "ok" if ok else "degraded", "pools": pools,
+                "workers": {w.url: w.healthy for w in self.prefills + self.decodes}}
 
+    async def _full_pools(self) -> list[dict]:
+        """One full round at a time, however many callers (the front door's /health is open: a flood of
+        ``full=true`` must not become a flood of engine-thread integrity checks). A caller shares a round that
+        began after it called, or waits for the one in flight to end and starts the next."""
+        called = time.monotonic()
+        while True:
+            if self._full is not None and not self._full[1].done():
+                started, fut = self._full
+                if started >= called:
+                    return await asyncio.shield(fut)
+                await asyncio.wait({fut})
+                continue
+            self._full = (time.monotonic(), asyncio.ensure_future(self._probe_full()))
+            return await asyncio.shield(self._full[1])
+
+    async def _probe_full(self) -> list[dict]:
         async def now(w: Worker) -> dict:
             try:
                 return (await self.client.get(w.url + "/health", timeout=15)).json() | {"url": w.url}
             except (httpx.HTTPError, ValueError) as e:
                 return {"url": w.url, "error": str(e)[:200], "integrity_ok": False}
 
-        pools = list(await asyncio.gather(*[now(w) for w in live])) if full else [w.info | {"url": w.url} for w in live]
-        return {"status": "ok" if ok else "degraded", "pools": pools,
-                "workers": {w.url: w.healthy for w in self.prefills + self.decodes}}
+        return list(await asyncio.gather(*[now(w) for w in self.prefills + self.decodes if w.healthy]))
 
     def check_capacity(self) -> None:
         """Shed before any work (parsing, tokenizing) when no worker pair has room: under overload the

@@ -69,6 +69,15 @@ def generation_defaults(model: str | None, how: str) -> dict:
         v = g.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[field_] = v
+    from pydantic import ValidationError
+
+    from kvseal.server.schema import CompletionRequest
+
+    try:  # the same bounds a request's own values must keep (they are applied without re-validation)
+        CompletionRequest(model="-", prompt="-", **out)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{f}: {err['loc'][0]} {err['input']!r}: {err['msg']}") from None
     return out
 
 
