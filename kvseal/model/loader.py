@@ -113,7 +113,11 @@ def _load_shared(p: Path, file: Path, dtype: torch.dtype, progress: bool, tokeni
             if file.exists():
                 print(f"kvseal: {file} holds other weights; this worker keeps its own copy", flush=True)
                 return lm
-            shared.write(file, {**key, "config": dataclasses.asdict(lm.model.cfg)}, shared.tensors(lm.model))
+            try:
+                shared.write(file, {**key, "config": dataclasses.asdict(lm.model.cfg)}, shared.tensors(lm.model))
+            except OSError as e:  # a full disk, a read-only directory: this worker keeps its own copy
+                print(f"kvseal: weights not shared ({file}: {e.strerror})", flush=True)
+                return lm
             del lm
             mapped = shared.read(file, key)
     cfg = _config_from_dict(json.loads(_header_config(file)))

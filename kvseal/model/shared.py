@@ -64,13 +64,17 @@ def write(path: Path, key: dict, named: dict[str, torch.Tensor]) -> None:
     header = json.dumps({"key": key, "tensors": entries}).encode()
     base = -(-(8 + len(header)) // ALIGN) * ALIGN
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(header).to_bytes(8, "little") + header)
-        for name, t in named.items():
-            f.seek(base + entries[name][0])
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        f.truncate(base + offset)
-    tmp.rename(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header)
+            for name, t in named.items():
+                f.seek(base + entries[name][0])
+                f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            f.truncate(base + offset)
+        tmp.rename(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # never a half-written file left behind
+        raise
 
 
 def read(path: Path, key: dict) -> dict[str, torch.Tensor] | None:
