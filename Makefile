@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvseal-installed
 
-.PHONY: setup serve test bench sim models clean
+.PHONY: setup serve test bench sim models mutants clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ sim: setup
 # The formal models (TLC and SPIN), the safe protocol and every known-bad variant
 models: setup
 	$(BIN)/python formal/check.py
+
+# Protocol mutations, one at a time on a copy of the tree, each to be killed by the tests (~25 min)
+mutants: setup
+	$(BIN)/python tests/mutants.py --json bench/out/mutants.json
 
 clean:
 	rm -rf $(VENV)

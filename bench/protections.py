@@ -19,7 +19,7 @@ import torch
 from kvseal.engine.build import WorkerSpec, build_engine, off_main_thread
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Sequence
-from kvseal.transfer import protocol as P
+from kvseal.transfer import messages as P
 
 
 def timed(fn, reps: int = 20) -> float:

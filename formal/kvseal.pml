@@ -42,7 +42,7 @@
 #define V_commit_after_expiry 0
 #endif
 
-/* message types (kvseal/transfer/protocol.py); Fence is a step of its own here */
+/* message types (kvseal/transfer/messages.py); Fence is a step of its own here */
 mtype:msgtype = { Reserve, Lease, Prefill, Commit, Ack, Abort, WriterDone, Fence, Forget };
 /* decode lease (kvseal/protocol/decode.py), prefill transfer (prefill.py), router request (router.py) */
 mtype:lease = { L_NONE, RESERVED, VERIFYING, RUNNING, QUARANTINED, L_CLOSED };

@@ -20,7 +20,7 @@ Pages == 0..NP-1
 NONE == <<>>
 NOBODY == 99  \* the owner of a free page
 
-\* message types, as in kvseal/transfer/protocol.py
+\* message types, as in kvseal/transfer/messages.py
 MsgTypes == {"Reserve", "Lease", "Prefill", "Commit", "Ack", "Abort", "WriterDone", "Fence", "Forget"}
 
 \* the lease states of kvseal/protocol/decode.py, the transfer states of kvseal/protocol/prefill.py and the

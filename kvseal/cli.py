@@ -16,13 +16,11 @@ import tempfile
 # the HTTP thread on a small machine; 100k measured best here (bench/README: 32 streams, ~+15%).
 os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
-from kvseal.config import Protections
+from kvseal.config import UNSAFE_FLAGS, Protections
 from kvseal.engine.build import WorkerSpec
 from kvseal.model.arch import ConfigError
 from kvseal.model.cpu import LevelError, choice
 from kvseal.server.served import add_front_args
-
-UNSAFE_FLAGS = {n: f"--unsafe-no-{n.replace('_', '-')}" for n in Protections.NAMES}
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -59,13 +57,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unsafe-no-all", action="store_true", help=argparse.SUPPRESS)
 
 
-def protections(a: argparse.Namespace) -> Protections:
-    off = {n for n in Protections.NAMES if getattr(a, f"unsafe_{n}", False) or getattr(a, "unsafe_no_all", False)}
-    if off and os.environ.get("KVSEAL_UNSAFE") != "1":
-        sys.exit(f"refusing to turn off protections {sorted(off)}: set KVSEAL_UNSAFE=1 (tests only)")
-    return Protections(**{n: n not in off for n in Protections.NAMES})
-
-
 def core_lock(flag: str, threads: int) -> str | None:
     """Engines on one host that each use every core must take turns (kvseal.engine.cores): two OpenMP teams
     on the same cores run several times slower than one at a time. By default they find each other through
@@ -84,7 +75,7 @@ def worker_spec(a: argparse.Namespace) -> WorkerSpec:
                       max_running=a.max_running, step_token_budget=a.step_token_budget, weights=a.weights,
                       threads=a.threads, share_cores=core_lock(a.share_cores, a.threads),
                       scrub_on_free=a.scrub_on_free, prefix_cache=a.prefix_cache == "on",
-                      protections=protections(a), tokenizer=a.tokenizer, load_format=a.load_format,
+                      protections=Protections.from_args(a), tokenizer=a.tokenizer, load_format=a.load_format,
                       shared_weights=getattr(a, "shared_weights", None))
 
 

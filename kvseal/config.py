@@ -5,6 +5,8 @@ Config is validated once, in ``__post_init__``; runtime state never lives here.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +123,18 @@ class Protections:
 
     def off(self) -> list[str]:
         return [n for n in self.NAMES if not getattr(self, n)]
+
+    @classmethod
+    def from_args(cls, a: object) -> Protections:
+        """From parsed ``--unsafe-no-<name>`` flags (``UNSAFE_FLAGS``); any off needs ``KVSEAL_UNSAFE=1``."""
+        off = {n for n in cls.NAMES if getattr(a, f"unsafe_{n}", False) or getattr(a, "unsafe_no_all", False)}
+        if off and os.environ.get("KVSEAL_UNSAFE") != "1":
+            sys.exit(f"refusing to turn off protections {sorted(off)}: set KVSEAL_UNSAFE=1 (tests only)")
+        return cls(**{n: n not in off for n in cls.NAMES})
+
+
+UNSAFE_FLAGS = {n: f"--unsafe-no-{n.replace('_', '-')}" for n in Protections.NAMES}
+"""Each protection's switch, for tests and the protections benchmark only."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from kvseal.engine.engine import Engine
 from kvseal.server.decode import DecodeService, decode_app
 from kvseal.server.guard import Guard
 from kvseal.server.prefill import PrefillService, prefill_app
-from kvseal.transfer import protocol as P
+from kvseal.transfer import messages as P
 from kvseal.transfer.auth import ClusterSecret, Signer, Verifier, roles_for, write_secret_file
 
 SECRET = ClusterSecret(b"k" * 64)

@@ -9,9 +9,9 @@ import pytest
 from engine_util import chat_ids, generate, make_engine
 
 from kvseal.config import Protections
-from kvseal.engine.errors import KVIntegrityError
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Phase, Sequence
+from kvseal.errors import KVIntegrityError
 from kvseal.kv.pool import PageRun
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

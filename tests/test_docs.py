@@ -17,7 +17,7 @@ def defined_flags() -> set[str]:
     for f in [*ROOT.glob("kvseal/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("formal/*.py")]:
         for m in re.finditer(r"add_argument\(([^)]*)", f.read_text()):
             flags |= set(re.findall(r"\"(--[a-z0-9-]+)\"", m.group(1)))
-    from kvseal.cli import UNSAFE_FLAGS
+    from kvseal.config import UNSAFE_FLAGS
 
     return flags | set(UNSAFE_FLAGS.values())
 

@@ -10,9 +10,9 @@ import pytest
 from engine_util import make_engine
 
 from kvseal.config import Protections
-from kvseal.engine.errors import KVIntegrityError
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Sequence
+from kvseal.errors import KVIntegrityError
 
 SYSTEM = ("You are a meticulous assistant for a lighthouse museum. Answer in two sentences, cite the exhibit "
           "number when you can, and never invent dates. The museum has exhibits on lenses, keepers' logs, "

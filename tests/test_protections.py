@@ -10,12 +10,12 @@ from engine_util import chat_ids, make_engine
 
 from kvseal.config import EngineConfig, PoolConfig, Protections
 from kvseal.engine.engine import Engine
-from kvseal.engine.errors import KVIntegrityError, Overloaded
 from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Sequence
+from kvseal.errors import KVIntegrityError, Overloaded
 from kvseal.kv.pool import PagePool, PageRun, PageState
 from kvseal.server.decode import DecodeService, LeaseRevoked
-from kvseal.transfer import protocol as P
+from kvseal.transfer import messages as P
 
 
 # -- abort-ack retention: a late write never lands in a page handed to another request -----------------

@@ -18,8 +18,8 @@ import pytest
 from kvseal.protocol import decode, prefill, router
 from kvseal.protocol.machine import ProtocolBug, Variants
 from kvseal.sim.__main__ import search
-from kvseal.sim.world import run_seed, shrink
-from kvseal.transfer import protocol as P
+from kvseal.sim.run import run_seed, shrink
+from kvseal.transfer import messages as P
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "formal"))
@@ -50,7 +50,7 @@ def test_the_simulator_finds_nothing_in_2000_seeds():
     print(f"{CI_SEEDS} seeds in {took:.1f} s, {served} requests served")
 
 
-@pytest.mark.parametrize("variant", Variants.NAMES)
+@pytest.mark.parametrize("variant", Variants.NAMES + Variants.SIM_NAMES)
 def test_the_simulator_finds_each_known_bad_variant(variant):
     o, _ = search(CI_SEEDS, variant=variant, jobs=2)
     assert o is not None, f"{variant}: no violation in {CI_SEEDS} seeds"

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from kvseal.config import EngineConfig
-from kvseal.engine.errors import BadRequest, ContextLengthError, EngineError, KVIntegrityError
 from kvseal.engine.grammar import Grammars
 from kvseal.engine.runner import Runner
 from kvseal.engine.sampling import sample
 from kvseal.engine.sequence import Event, Phase, Sequence
-from kvseal.kv.pool import PagePool, PageRun, tenant_tag
+from kvseal.errors import BadRequest, ContextLengthError, EngineError, KVIntegrityError
+from kvseal.kv.pool import PagePool, PageRun, PageState, tenant_tag
 from kvseal.kv.prefix import PrefixCache
 from kvseal.model.llama import LlamaModel
 
@@ -407,6 +407,32 @@ class Engine:
         except RuntimeError as e:  # a double free is a bug; the request must still end, with an error
             reason, error = "error", EngineError(f"request {s.rid}: {e}")
         s.sink(Event(s.rid, (), reason, error))
+
+    # -- what a lease host asks of the engine (engine thread; kvseal.protocol.decode_host) -------------------
+    def admit(self, seq: Sequence) -> None:
+        """Admission (raises before any allocation), then the queue or, for a verified decode, the batch."""
+        self._admit(seq)
+
+    def stop_request(self, rid: int) -> bool:
+        return self._abort(rid)
+
+    def hold_quarantined(self, rid: int, run: PageRun) -> None:
+        """Pages a writer may still target: out of every page table, back only on ``release_quarantine``."""
+        self.quarantined[rid] = self.pool.quarantine(run)
+
+    def free_pages(self, run: PageRun) -> None:
+        self.pool.free(run)
+
+    def start_decoding(self, seq: Sequence) -> None:
+        """Decode role: the request's verified prompt pages become OWNED and it joins the batch with its first
+        token, unless that token already ended it (then its pages go back at once)."""
+        self.pool.set_state(seq.run, PageState.OWNED)
+        reason = seq.finish_reason(seq.tokens[-1])
+        if reason:
+            self.pool.free(seq.run)
+            seq.sink(Event(seq.rid, (), reason))
+        else:
+            self._admit(seq)
 
     def release_quarantine(self, rid: int) -> bool:
         """The writer acknowledged it stopped (or was fenced): quarantined pages may go back."""

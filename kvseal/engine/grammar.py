@@ -17,7 +17,7 @@ import llguidance.hf
 import llguidance.torch as llt
 import torch
 
-from kvseal.engine.errors import BadRequest
+from kvseal.errors import BadRequest
 
 
 def compile_response_format(fmt: dict | None) -> str | None:

@@ -23,8 +23,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
 import torch
+
+from kvseal.transfer.messages import Logprob  # a wire type: it rides in Ack and token events
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,6 @@ class SamplingParams:
         d = dataclasses.asdict(self)
         del d["max_tokens"]
         return d
-
-
-class Logprob(msgspec.Struct, array_like=True, frozen=True):
-    """One generated token's logprob and the ``top`` alternatives, most likely first: ``[(token, logprob)]``."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = []
 
 
 class Row(Protocol):

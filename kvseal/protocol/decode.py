@@ -27,7 +27,7 @@ from enum import Enum
 
 import msgspec
 
-from kvseal.engine.errors import (
+from kvseal.errors import (
     ContextLengthError,
     EngineError,
     KVIntegrityError,
@@ -35,7 +35,7 @@ from kvseal.engine.errors import (
     TooManyRequests,
 )
 from kvseal.protocol.machine import SAFE, Table, Transition, Variants
-from kvseal.transfer import protocol as P
+from kvseal.transfer import messages as P
 from kvseal.transfer.auth import Forbidden
 
 
@@ -173,13 +173,15 @@ class DecodeCore:
     """Every open lease of one decode worker, and the rules that move them."""
 
     def __init__(self, key: bytes, decode_id: str, lease_ttl: float = 0.0, max_leases: int = 2048,
-                 coverage: bool = True, deferred_release: bool = True, variants: Variants = SAFE) -> None:
+                 coverage: bool = True, deferred_release: bool = True, page_tags: bool = True,
+                 checksum: bool = True, variants: Variants = SAFE) -> None:
         self.key = key  # MACs capabilities; never leaves the decode worker
         self.decode_id = decode_id
         self.lease_ttl = lease_ttl
         self.max_leases = max_leases
         self.coverage = coverage and not variants.no_coverage
         self.deferred_release = deferred_release and not variants.free_on_abort
+        self.page_tags, self.checksum = page_tags, checksum  # what Verify checks (both off only in unsafe mode)
         self.variants = variants
         self.leases: dict[int, Lease] = {}
         self.epochs: dict[str, int] = {}  # writer → epoch; fencing moves it on
@@ -281,6 +283,14 @@ class DecodeCore:
         self._move(lease, "commit", LeaseState.VERIFYING)
         lease.checksum = c.checksum
         return [Conceal(c.rid), Verify(c.rid, c.nonce)]
+
+    def to_verify(self, rid: int, nonce: int) -> tuple[bool, bool] | None:
+        """What ``Verify`` must check now (page tags, checksum), or None if the lease is no longer verifying
+        (aborted meanwhile): then ``verified`` is answered with both checks failed, and refuses."""
+        lease = self.leases.get(rid)
+        if lease is None or lease.nonce != nonce or lease.state is not LeaseState.VERIFYING:
+            return None
+        return self.page_tags, self.checksum
 
     def verified(self, rid: int, nonce: int, tags_ok: bool, checksum_ok: bool, first_token: int) -> list:
         """The adapter's answer to ``Verify``: tags and checksum against the bytes now in the pool."""

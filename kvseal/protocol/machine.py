@@ -65,14 +65,18 @@ class Variants:
     lease_reuse: bool = False  # a lease's nonce is its request id and freed pages keep their generation
     fence_without_epoch: bool = False  # fencing frees the writer's pages but does not move its epoch on
     commit_after_expiry: bool = False  # decode accepts a commit whose lease has expired
+    # bugs of the hosts (the code that carries the machines' actions out), which only the simulator runs:
+    duplicate_reserve: bool = False  # decode records a reserve before its lease opens, with no one-per-rid guard
+    unconfirmed_fence: bool = False  # the router fences once, and a prefill fenced on no decode may come back
 
     NAMES = ("placeholder", "free_on_abort", "no_coverage", "lease_reuse", "fence_without_epoch",
-             "commit_after_expiry")
+             "commit_after_expiry")  # each found by the simulator and by both formal models
+    SIM_NAMES = ("duplicate_reserve", "unconfirmed_fence")  # found by the simulator
 
     @classmethod
     def only(cls, name: str) -> Variants:
-        if name not in cls.NAMES:
-            raise ValueError(f"unknown variant {name!r}; known: {', '.join(cls.NAMES)}")
+        if name not in cls.NAMES + cls.SIM_NAMES:
+            raise ValueError(f"unknown variant {name!r}; known: {', '.join(cls.NAMES + cls.SIM_NAMES)}")
         return cls(**{name: True})
 
     def on(self) -> list[str]:

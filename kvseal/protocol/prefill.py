@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from kvseal.engine.errors import ContextLengthError, EngineError
+from kvseal.errors import ContextLengthError, EngineError, Overloaded
 from kvseal.protocol.machine import SAFE, Table, Transition, Variants
-from kvseal.transfer import protocol as P
+from kvseal.transfer import messages as P
 
 FORGOTTEN_MAX = 100_000
 
@@ -136,7 +136,7 @@ class PrefillCore:
             self._move(old, "prefill", old.state)
             return []
         if old is not None:
-            raise EngineError(f"request {rid} is already being prefilled here, for another lease")
+            raise Overloaded(f"request {rid} is already being prefilled here, for another lease")  # retry later
         too_long = n_prompt + max_new > admit_limit
         placeholder = too_long and (self.variants.placeholder or placeholder_fault)
         if too_long and self.admission and not placeholder:

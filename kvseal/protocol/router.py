@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from kvseal.engine.errors import EngineError, Overloaded
-from kvseal.protocol.machine import Table, Transition
-from kvseal.transfer import protocol as P
+from kvseal.errors import EngineError, Overloaded
+from kvseal.protocol.machine import SAFE, Table, Transition, Variants
+from kvseal.transfer import messages as P
 
 
 class RequestState(Enum):
@@ -82,8 +82,9 @@ class CancelStep:  # unguarded only: cancel the step in flight
 
 
 @dataclass(frozen=True)
-class Fence:  # declare the prefill dead on every decode
+class Fence:  # declare the prefill dead on these decodes (each answers with its new epoch for it: ``confirmed``)
     url: str
+    to: tuple[str, ...] = ()
 
 
 TABLE = Table("router request", RequestState, [
@@ -109,14 +110,17 @@ TABLE = Table("router request", RequestState, [
 HEALTH = Table("router worker health", HealthState, [
     Transition("DOWN", "probe_ok", "UP", "", ""),
     Transition("UP", "probe_ok", "UP", "", ""),
-    Transition("FENCED", "probe_ok", "UP", "it came back (a new epoch on decode)", ""),
+    Transition("FENCED", "probe_ok", "UP", "it came back, and every decode confirmed the fence (a new epoch on each)",
+               ""),
+    Transition("FENCED", "probe_ok", "FENCED", "a decode has not confirmed the fence", "Fence (to those)"),
     Transition("UP", "probe_failed", "UP", "a timeout, and it answered real work within the busy grace", ""),
     Transition("UP", "probe_failed", "DOWN", "", ""),
     Transition("DOWN", "probe_failed", "DOWN", "fewer than FENCE_AFTER misses, or a decode", ""),
     Transition("DOWN", "probe_failed", "FENCED", "a prefill's FENCE_AFTER-th miss in a row", "Fence"),
-    Transition("FENCED", "probe_failed", "FENCED", "", ""),
+    Transition("FENCED", "probe_failed", "FENCED", "", "Fence (to decodes that have not confirmed it)"),
     *[Transition(s, "probe_unhealthy", "DOWN", "it answered, not 200: alive, out of service", "")
       for s in ("UP", "DOWN", "FENCED")],
+    Transition("FENCED", "probe_unhealthy", "FENCED", "a decode has not confirmed the fence", "Fence (to those)"),
     Transition("UP", "down", "DOWN", "a request could not reach it", ""),
 ])
 
@@ -215,12 +219,16 @@ class WorkerHealth:
     at its first miss, and a prefill is fenced only after ``fence_after`` misses in a row, since fencing revokes
     every lease it is writing."""
 
-    def __init__(self, url: str, role: str, fence_after: int = 3, busy_grace: float = 10.0) -> None:
+    def __init__(self, url: str, role: str, fence_after: int = 3, busy_grace: float = 10.0,
+                 decodes: tuple[str, ...] = (), variants: Variants = SAFE) -> None:
         self.url, self.role = url, role
         self.fence_after, self.busy_grace = fence_after, busy_grace
         self.state = HealthState.DOWN
         self.misses = 0
         self.last_ok = 0.0  # the time of its last answer: evidence of life that a slow probe cannot erase
+        self.decodes = tuple(decodes)  # prefill role: the decodes a fence must reach
+        self.unconfirmed: set[str] = set()  # decodes that have not confirmed this prefill's fence
+        self.variants = variants
 
     @property
     def healthy(self) -> bool:
@@ -235,9 +243,24 @@ class WorkerHealth:
         self.last_ok = now
 
     def probe_ok(self, now: float) -> list:
+        """A fenced prefill comes back only once every decode has moved its epoch on: a decode that missed the
+        fence (unreachable, or the message lost) would still take its old capabilities."""
         self.misses, self.last_ok = 0, now
+        if self.state is HealthState.FENCED and (owed := self._owed()):
+            self._move("probe_ok", HealthState.FENCED)
+            return owed
         self._move("probe_ok", HealthState.UP)
         return []
+
+    def _owed(self) -> list:
+        """The fence again, to the decodes that have not confirmed it."""
+        if not self.unconfirmed or self.variants.unconfirmed_fence:
+            return []
+        return [Fence(self.url, tuple(sorted(self.unconfirmed)))]
+
+    def confirmed(self, decode: str) -> None:
+        """``decode`` answered this prefill's fence: its epoch for it moved on."""
+        self.unconfirmed.discard(decode)
 
     def probe_failed(self, now: float, timed_out: bool) -> list:
         if timed_out and now - self.last_ok < self.busy_grace:  # busy, not dead: no miss
@@ -248,12 +271,16 @@ class WorkerHealth:
             self._move("probe_failed", HealthState.DOWN)
         if self.role == "prefill" and self.misses == self.fence_after and self.state is HealthState.DOWN:
             self._move("probe_failed", HealthState.FENCED)
-            return [Fence(self.url)]
+            self.unconfirmed = set(self.decodes)
+            return [Fence(self.url, self.decodes)]
         self._move("probe_failed", self.state)
-        return []
+        return self._owed() if self.state is HealthState.FENCED else []
 
     def probe_unhealthy(self, now: float) -> list:
         self.misses, self.last_ok = 0, now
+        if self.state is HealthState.FENCED and (owed := self._owed()):
+            self._move("probe_unhealthy", HealthState.FENCED)
+            return owed
         self._move("probe_unhealthy", HealthState.DOWN)
         return []
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -26,22 +25,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.errors import (
+from kvseal.engine.sampling import SamplingParams
+from kvseal.engine.sequence import Event, Phase, Sequence
+from kvseal.errors import (
     BadRequest,
     EngineError,
     Overloaded,
     TooManyRequests,
 )
-from kvseal.engine.sampling import SamplingParams
-from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.faults import Faults
 from kvseal.kv.pool import PageRun, PageState
 from kvseal.protocol import decode as core
 from kvseal.protocol.decode import DecodeCore, LeaseRevoked, WriterFenced  # noqa: F401 - re-exported
+from kvseal.protocol.decode_host import ENGINE_SIDE, DecodeHost, Held
 from kvseal.server.backend import StepBatcher, pool_health
 from kvseal.server.dashboard import pool_snapshot
 from kvseal.server.guard import INSECURE, peer_of
-from kvseal.transfer import protocol as P
+from kvseal.transfer import messages as P
 from kvseal.transfer.auth import Forbidden, Peer
 
 STREAMS_PER_ROUTER = 8  # a router holds one; a few more ride out restarts
@@ -94,28 +94,76 @@ def _token_event(ev: Event) -> P.TokenEvent:
     return P.TokenEvent(ev.rid, list(ev.token_ids), ev.finish_reason, err, list(ev.logprobs) or None)
 
 
-@dataclass(eq=False)
-class Held:
-    """What the adapter keeps for a lease the core tracks: the message, the pages, where its events go."""
-
-    reserve: P.Reserve
-    run: PageRun
-    queue: Outbox
-    sink: object
-
-
 def ack_error(e: EngineError) -> Response:
     return Response(P.encode(P.Ack(ok=False, status=e.status, code=e.code, message=str(e))),
                     status_code=e.status, media_type="application/json")
 
 
-ENGINE_SIDE = (core.Conceal, core.Quarantine, core.Free, core.Release, core.Start, core.Stop)
+@dataclass(eq=False)
+class Route:
+    """Where a lease's events go: its router's outbox, and the engine-side sink that batches them there."""
+
+    queue: Outbox
+    sink: Callable[[Event], None]
+
+
+class EnginePorts:
+    """``DecodePorts`` over the engine (engine-side actions run on its thread), Mooncake's exposure and the
+    routers' outboxes (I/O side, the event loop)."""
+
+    def __init__(self, svc: DecodeService) -> None:
+        self.svc, self.engine = svc, svc.engine
+
+    def conceal(self, rid: int) -> None:
+        if self.svc.exposure is not None:
+            self.svc.exposure.conceal(rid)  # a late write now fails at the transport instead of landing
+
+    def quarantine(self, rid: int, run: PageRun) -> None:
+        self.engine.hold_quarantined(rid, run)
+
+    def free(self, run: PageRun) -> None:
+        self.engine.free_pages(run)
+
+    def release(self, rid: int) -> None:
+        self.engine.release_quarantine(rid)
+
+    def stop(self, rid: int) -> None:
+        self.engine.stop_request(rid)
+
+    def verify(self, h: Held, c: P.Commit, tags: bool, checksum: bool) -> tuple[bool, bool]:
+        pool = self.engine.pool
+        tags_ok = not tags or pool.run_ok(h.run, c.rid, PageState.RESERVED, self.engine.tenant_tag(h.reserve.tenant))
+        sum_ok = not checksum or P.checksum(pool.kv, c.pages, c.n_tokens, c.rid, c.nonce, c.pages, c.generations,
+                                            c.first_token) == c.checksum
+        if tags_ok and not sum_ok and self.engine.metrics:
+            self.engine.metrics.integrity_failures.inc()
+        return tags_ok, sum_ok
+
+    def start(self, h: Held, first: int) -> None:
+        r = h.reserve
+        params = SamplingParams(max_tokens=r.max_new, **r.sampling)
+        self.engine.start_decoding(Sequence(r.rid, list(r.prompt), params, h.ctx.sink, eos_ids=self.svc.eos,
+                                            tokens=list(r.prompt) + [first], num_cached=len(r.prompt), run=h.run,
+                                            phase=Phase.RUNNING, tenant=r.tenant))
+
+    def give_back(self, run: PageRun) -> None:
+        self.engine.call(lambda: self.engine.free_pages(run))
+
+    def expose(self, rid: int, pages: tuple[int, ...]) -> None:
+        if self.svc.exposure is not None:
+            self.svc.exposure.expose(rid, list(pages))
+
+    def end(self, h: Held, reason: str, error: EngineError | None) -> None:
+        h.ctx.queue.put_nowait(Event(h.reserve.rid, (), reason, error))
+
+    def ask_forget(self, a: core.AskForget) -> None:
+        self.svc._spawn(self.svc._ask_forget(a))
 
 
 class DecodeService:
-    """The HTTP adapter around ``kvseal.protocol.decode.DecodeCore``: it parses messages, feeds the core (under
-    one lock, from the event loop or the engine thread) and carries out its actions, pool changes on the engine
-    thread. Every protocol rule is in the core."""
+    """The HTTP adapter around ``DecodeHost``: it parses messages, feeds the host and hops threads (engine-side
+    actions on the engine thread, the rest on the event loop). Every protocol rule is in the core, every action
+    is carried out by the host."""
 
     def __init__(self, engine: Engine, eos_ids: tuple[int, ...], target: str, decode_id: str,
                  faults: Faults | None = None, lease_ttl: float = 0.0, reserve_wait: float = 20.0,
@@ -129,12 +177,12 @@ class DecodeService:
         self.faults = faults or Faults()
         self.prot = engine.cfg.protections
         self.core = DecodeCore(secrets.token_bytes(32), decode_id, lease_ttl, max_leases,
-                               coverage=self.prot.coverage, deferred_release=self.prot.deferred_release)
-        self.lock = threading.Lock()  # the core is fed from the event loop and the engine thread, one at a time
+                               coverage=self.prot.coverage, deferred_release=self.prot.deferred_release,
+                               page_tags=self.prot.page_tags, checksum=self.prot.checksum)
+        self.host = DecodeHost(self.core, EnginePorts(self))
+        self.lock = self.host.lock
         if engine.metrics:
             engine.metrics.add_source(self._metric_rows)
-        self.held: dict[int, Held] = {}
-        self.reserving: set[int] = set()  # rids between the reserve's check and its lease: one reserve per rid
         self.batcher = StepBatcher(engine)
         self.outboxes: dict[str, Outbox] = {}
         self.heartbeat = 1.0
@@ -146,6 +194,10 @@ class DecodeService:
         self.client = httpx.AsyncClient(timeout=5.0, **(http or {}))
         self.max_streams = max_streams
         self.exposure = exposure  # Mooncake: only open leases' pages are registered (kvseal.transfer.mooncake)
+
+    @property
+    def held(self) -> dict[int, Held]:
+        return self.host.held
 
     @property
     def leases(self) -> dict:
@@ -174,59 +226,14 @@ class DecodeService:
             raise Forbidden(f"stream {subscriber[:16]!r} belongs to another router")
         return box
 
-    # -- feeding the core, carrying out its actions ---------------------------------------------------------
-    def _feed(self, event: Callable[[], list]) -> list:
-        with self.lock:
-            return event()
-
-    async def _carry(self, acts: list) -> list:
-        """Carry out actions fed on the event loop: pool changes in one engine-thread call (in order with every
-        other), the rest here. Returns the replies."""
-        mine = [a for a in acts if isinstance(a, ENGINE_SIDE)]
-        if mine:
-            await asyncio.wrap_future(self.engine.call(lambda: self._on_engine(mine)))
-        return self._on_loop(acts)
-
-    def _on_engine(self, acts: list, commit: P.Commit | None = None) -> list:
-        """Engine thread: the actions that touch the pool or the batch."""
-        out: list = []
-        for a in acts:
-            h = self.held.get(getattr(a, "rid", None))
-            if isinstance(a, core.Conceal):
-                if self.exposure is not None:
-                    self.exposure.conceal(a.rid)  # a late write now fails at the transport instead of landing
-            elif isinstance(a, core.Quarantine) and h is not None:
-                self.engine.quarantined[a.rid] = self.pool.quarantine(h.run)
-            elif isinstance(a, core.Free) and h is not None:
-                self.pool.free(h.run)
-                self.held.pop(a.rid, None)
-            elif isinstance(a, core.Release):
-                self.engine.release_quarantine(a.rid)
-                self.held.pop(a.rid, None)
-            elif isinstance(a, core.Stop):
-                self.engine._abort(a.rid)
-                self.held.pop(a.rid, None)
-            elif isinstance(a, core.Verify) and h is not None and commit is not None:
-                out += self._verify(h, commit)
-            elif isinstance(a, core.Start) and h is not None:
-                self._start(h, a.first_token)
-            else:
-                out.append(a)
-        return out
-
-    def _on_loop(self, acts: list) -> list:
-        replies = []
-        for a in acts:
-            h = self.held.get(getattr(a, "rid", None))
-            if isinstance(a, core.End) and h is not None:
-                h.queue.put_nowait(Event(a.rid, (), a.reason, a.error))
-            elif isinstance(a, core.Expose) and self.exposure is not None:
-                self.exposure.expose(a.rid, list(a.pages))
-            elif isinstance(a, core.AskForget):
-                self._spawn(self._ask_forget(a))
-            elif isinstance(a, core.Reply):
-                replies.append(a.ack)
-        return replies
+    # -- carrying out the host's actions across the two threads ----------------------------------------
+    async def _carry(self, acts: list, commit: P.Commit | None = None) -> list:
+        """Engine-side actions in one engine-thread call (in order with every other), then the rest here.
+        Returns the replies."""
+        records = self.host.records(acts)
+        if any(isinstance(a, ENGINE_SIDE) for a in acts):
+            acts = await asyncio.wrap_future(self.engine.call(lambda: self.host.on_engine(acts, commit)))
+        return self.host.on_loop(acts, records)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)
@@ -235,7 +242,7 @@ class DecodeService:
 
     async def event(self, event: Callable[[], list]) -> list:
         """Feed one event on the event loop and carry out what it says."""
-        return await self._carry(self._feed(event))
+        return await self._carry(self.host.feed(event))
 
     # -- capabilities (for tests and tools; the core checks them) ---------------------------------------------
     def check_cap(self, c: P.Capability | None, rid: int, nonce: int, pages: list[int] = ()) -> None:
@@ -253,8 +260,8 @@ class DecodeService:
         sub = next((k for k, v in self.outboxes.items() if v is box), None)
         if sub is None:
             return
-        await self.event(lambda: self.core.router_gone(sub, gone_at))
-        if box.gone_at == gone_at and not self._feed(lambda: self.core.holds(sub)):
+        await self._carry(self.host.router_gone(sub, gone_at))
+        if box.gone_at == gone_at and not self.host.holds(sub):
             del self.outboxes[sub]
 
     def _sink(self, box: Outbox) -> Callable[[Event], None]:
@@ -263,8 +270,7 @@ class DecodeService:
 
         def sink(ev: Event) -> None:
             if ev.finish_reason is not None:
-                self._feed(lambda: self.core.finished(ev.rid))
-                self.held.pop(ev.rid, None)
+                self.host.finished(ev.rid)
             batched(ev)
         return sink
 
@@ -273,35 +279,22 @@ class DecodeService:
         self.faults.crash("crash_at_reserve")
         router = peer.node if peer else ""
         cfg = self.engine.cfg
-        self._feed(lambda: self.core.check_reserve(r.rid, r.prefill_id, router, len(r.prompt), r.max_new,
-                                                   cfg.admit_limit, self.prot.admission,
-                                                   self.pool.cfg.capacity_tokens, cfg.context_window))
-        # A second reserve for a rid whose first is still waiting for pages would take pages of its own and
-        # overwrite the first's record, leaving the first lease with no pages record: refused here, at once.
-        if r.rid in self.reserving or r.rid in self.held:
-            raise Forbidden(f"request {r.rid} already holds or is taking a lease on this decode")
-        self.reserving.add(r.rid)
+        self.host.begin_reserve(r, router, cfg.admit_limit, self.prot.admission, self.pool.cfg.capacity_tokens,
+                                cfg.context_window)
         try:
             if self.faults.fire("delay_reserve"):
                 await asyncio.sleep(self.faults.delay)
             box = self.outbox(r.subscriber, peer)
             run = await self._take_pages(r.rid, self.pool.cfg.pages_for(len(r.prompt)),
                                          self.engine.tenant_tag(r.tenant))
-            if self.lease_ttl and self._expiry is None:
-                self._expiry = asyncio.ensure_future(self._expire_loop())
-            held = self.held[r.rid] = Held(r, run, box, self._sink(box))
-            try:
-                cap, acts = self._feed(lambda: self.core.reserve(
-                    r.rid, secrets.randbits(62), r.prefill_id, router, r.subscriber, len(r.prompt), run.pages,
-                    run.generations, time.monotonic()))
-            except EngineError:
-                if self.held.get(r.rid) is held:
-                    self.held.pop(r.rid)
-                self.engine.call(lambda: self.pool.free(run))
-                raise
-        finally:
-            self.reserving.discard(r.rid)
-        self._on_loop(acts)
+        except BaseException:
+            self.host.abandon_reserve(r.rid)
+            raise
+        if self.lease_ttl and self._expiry is None:
+            self._expiry = asyncio.ensure_future(self._expire_loop())
+        cap, acts = self.host.reserved(r, router, run, Route(box, self._sink(box)), secrets.randbits(62),
+                                       time.monotonic())
+        self.host.on_loop(acts)
         return P.Lease(rid=r.rid, nonce=cap.nonce, pages=list(run.pages), generations=list(run.generations),
                        n_prompt=len(r.prompt), decode_id=self.decode_id, target=self.target,
                        layout=list(self.pool.kv.shape), cap=cap, dtype=str(self.pool.kv.dtype).removeprefix("torch."))
@@ -342,49 +335,12 @@ class DecodeService:
     # -- commit -----------------------------------------------------------------------------------------
     async def commit(self, c: P.Commit) -> P.Ack:
         self.faults.crash("crash_at_commit")
-        acts = self._feed(lambda: self.core.commit(c, time.monotonic()))
-        if not any(isinstance(a, core.Verify) for a in acts):
-            return (await self._carry(acts))[0]
-        self._on_loop([a for a in acts if not isinstance(a, ENGINE_SIDE + (core.Verify,))])
-        rest = await asyncio.wrap_future(self.engine.call(lambda: self._on_engine(acts, c)))
-        return self._on_loop(rest)[0]
-
-    def _verify(self, h: Held, c: P.Commit) -> list:
-        """Engine thread, the lease concealed (no write lands between the check and the first read): tags and
-        checksum against the bytes in this pool; the core's answer is carried out in the same breath."""
-        rid = c.rid
-        with self.lock:
-            lease = self.core.leases.get(rid)
-            if lease is None or lease.state is not core.LeaseState.VERIFYING:  # aborted meanwhile
-                return self.core.verified(rid, c.nonce, False, False, c.first_token)
-            tags_ok = not self.prot.page_tags or self.pool.run_ok(h.run, rid, PageState.RESERVED,
-                                                                  self.engine.tenant_tag(h.reserve.tenant))
-            sum_ok = not self.prot.checksum or P.checksum(self.pool.kv, c.pages, c.n_tokens, rid, c.nonce, c.pages,
-                                                          c.generations, c.first_token) == c.checksum
-            if tags_ok and not sum_ok and self.engine.metrics:
-                self.engine.metrics.integrity_failures.inc()
-            acts = self.core.verified(rid, c.nonce, tags_ok, sum_ok, c.first_token)
-        return self._on_engine(acts)
-
-    def _start(self, h: Held, first: int) -> None:
-        """Engine thread: the verified pages become OWNED and the request joins the decode batch."""
-        r = h.reserve
-        self.pool.set_state(h.run, PageState.OWNED)
-        params = SamplingParams(max_tokens=r.max_new, **r.sampling)
-        seq = Sequence(r.rid, list(r.prompt), params, h.sink, eos_ids=self.eos,
-                       tokens=list(r.prompt) + [first], num_cached=len(r.prompt), run=h.run,
-                       phase=Phase.RUNNING, tenant=r.tenant)
-        reason = seq.finish_reason(first)
-        if reason:  # the first token already ended it: nothing to decode
-            self.pool.free(h.run)
-            h.sink(Event(r.rid, (), reason))
-        else:
-            self.engine._admit(seq)
+        return (await self._carry(self.host.commit(c, time.monotonic()), c))[0]
 
     # -- endings ----------------------------------------------------------------------------------------
     async def abort(self, a: P.Abort) -> dict:
         found = a.rid in self.core.leases
-        acts = self._feed(lambda: self.core.abort(a.rid, a.nonce, a.writer_done))
+        acts = self.host.abort(a)
         if not found:  # lease bookkeeping already gone (stream closed first): the engine may still run it
             return {"found": await asyncio.wrap_future(self.engine.abort(a.rid))}
         await self._carry(acts)
@@ -392,9 +348,10 @@ class DecodeService:
 
     async def fence(self, f: P.Fence) -> dict:
         """The writer is dead: the core moves its epoch on and revokes its open leases."""
-        acts = self._feed(lambda: self.core.fence(f.prefill_id))
+        acts = self.host.fence(f.prefill_id)
         await self._carry(acts)
-        return {"fenced": sum(isinstance(a, (core.Release, core.Free)) for a in acts)}
+        return {"fenced": sum(isinstance(a, (core.Release, core.Free)) for a in acts),
+                "epoch": self.core.writer_epoch(f.prefill_id)}
 
     async def _expire_loop(self) -> None:
         while True:
@@ -405,7 +362,7 @@ class DecodeService:
                 print(f"kvseal decode: lease expiry failed: {e!r}", flush=True)
 
     async def expire_stale(self) -> None:
-        acts = self._feed(lambda: self.core.expire(time.monotonic()))
+        acts = self.host.expire(time.monotonic())
         await self._carry([a for a in acts if not isinstance(a, core.AskForget)])
         for a in acts:  # one pass, in order: a forget answered now frees now
             if isinstance(a, core.AskForget):
@@ -418,11 +375,11 @@ class DecodeService:
             writing = r.json()["writing"]
         except (httpx.HTTPError, ValueError, KeyError):
             return
-        await self.event(lambda: self.core.forget_answer(a.rid, a.nonce, writing))
+        await self._carry(self.host.forget_answer(a.rid, a.nonce, writing))
 
     async def writer_done(self, w: P.WriterDone) -> dict:
         """The writer's own word (it must present the lease's capability)."""
-        acts = self._feed(lambda: self.core.writer_done(w, time.monotonic()))
+        acts = self.host.writer_done(w, time.monotonic())
         await self._carry(acts)
         return {"released": bool(acts)}
 

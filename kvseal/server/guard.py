@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
-from kvseal.engine.errors import EngineError
+from kvseal.errors import EngineError
 from kvseal.transfer.auth import H_SIG, OPEN, Peer, Verifier
 
 MAX_BODY = 8 << 20  # a Reserve or Prefill carries a prompt (≤ context tokens) and maybe a grammar

@@ -14,14 +14,12 @@ from pathlib import Path
 
 import httpx
 
-from kvseal.config import Protections
+from kvseal.config import UNSAFE_FLAGS, Protections
 from kvseal.engine.build import WorkerSpec
 from kvseal.transfer.auth import write_secret_file
 
 
 def _worker_argv(a: argparse.Namespace) -> list[str]:
-    from kvseal.cli import UNSAFE_FLAGS
-
     out = []
     # Two engines on one host share its cores: each runs its forward passes with every core, one at a time,
     # under a lock file (kvseal.engine.cores). Measured here at 32 streams: ~1.3x the tok/s of one thread

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import httpx
 import msgspec
 
-from kvseal.engine.errors import Overloaded
-from kvseal.transfer import protocol as P
+from kvseal.errors import Overloaded
+from kvseal.transfer import messages as P
 
 LINE = msgspec.json.Decoder(list[P.TokenEvent])
 

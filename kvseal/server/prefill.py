@@ -10,7 +10,6 @@ the event loop.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 
@@ -20,20 +19,54 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.errors import BadRequest, EngineError
 from kvseal.engine.sampling import Logprob, SamplingParams
 from kvseal.engine.sequence import Event, Sequence
+from kvseal.errors import BadRequest, EngineError
 from kvseal.faults import Faults
 from kvseal.protocol import prefill as core
 from kvseal.protocol.prefill import LeaseExpired, PrefillCore  # noqa: F401 - re-exported
+from kvseal.protocol.prefill_host import PrefillHost
 from kvseal.server.backend import pool_health
 from kvseal.server.dashboard import pool_snapshot
 from kvseal.server.decode import ack_error
 from kvseal.server.guard import peer_of
-from kvseal.transfer import protocol as P
+from kvseal.transfer import messages as P
+
+
+class EnginePorts:
+    """``PrefillPorts`` over the engine (engine side: call on its thread) and httpx (I/O side: the loop)."""
+
+    def __init__(self, svc: PrefillService) -> None:
+        self.svc, self.engine = svc, svc.engine
+
+    def stop(self, rid: int, nonce: int) -> None:
+        self.engine.stop_request(rid)
+
+    def release(self, rid: int, nonce: int) -> None:
+        self.engine.release(rid)
+
+    def send_commit(self, rid: int, nonce: int) -> None:
+        commit = self.svc.commits.pop(rid)
+        self.svc.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.svc._commit(rid, *commit)))
+
+    def writer_done(self, rid: int, nonce: int) -> None:
+        p, _ = self.svc.pending.get(rid, (None, None))  # now: the request's Settle comes next and ends it
+        if p is not None and p.lease.nonce == nonce:
+            self.svc._spawn(self.svc._writer_done(p))
+
+    def settle(self, rid: int, nonce: int, result: object) -> None:
+        entry = self.svc.pending.get(rid)
+        if entry and entry[0].lease.nonce == nonce and not entry[1].done():
+            if isinstance(result, BaseException):
+                entry[1].set_exception(result)
+            else:
+                entry[1].set_result(result)
 
 
 class PrefillService:
+    """The HTTP adapter around ``PrefillHost``: it parses messages, runs the engine's steps (compute, write the
+    pages, checksum, send the commit) and hops threads; every rule is the core's, every action the host's."""
+
     def __init__(self, engine: Engine, writer: object, prefill_id: str, faults: Faults | None = None,
                  http: dict | None = None) -> None:
         self.engine = engine
@@ -42,38 +75,47 @@ class PrefillService:
         self.faults = faults or Faults()
         prot = engine.cfg.protections
         self.core = PrefillCore(prot.admission, prot.deferred_release)
-        self.lock = threading.Lock()  # the core is fed from the event loop and the engine thread, one at a time
+        self.host = PrefillHost(self.core, EnginePorts(self))
+        self.lock = self.host.lock
         self.client = httpx.AsyncClient(timeout=30, **(http or {}))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pending: dict[int, tuple[P.Prefill, asyncio.Future]] = {}
+        self.commits: dict[int, tuple] = {}  # rid → the commit prepared on the engine thread, for send_commit
+        self._tasks: set[asyncio.Task] = set()
         engine.handoff = self.handoff
 
     @property
     def forgotten(self) -> dict[int, None]:
         return self.core.forgotten
 
-    def _feed(self, event: Callable[[], object]) -> object:
-        with self.lock:
-            return event()
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_loop(self, acts: list, nonce: int) -> None:
+        """From the engine thread: the I/O side of ``acts`` on the event loop."""
+        if acts:
+            self.loop.call_soon_threadsafe(self.host.on_loop, acts, nonce)
 
     async def prefill(self, p: P.Prefill) -> P.Ack:
         self.loop = asyncio.get_running_loop()
         cfg = self.engine.cfg
-        n = len(p.prompt)
+        n, nonce = len(p.prompt), p.lease.nonce
         bug = n + p.max_new > cfg.admit_limit and self.faults.fire("legacy_placeholder")
-        acts = self._feed(lambda: self.core.prefill(p.rid, p.lease.nonce, n, p.max_new, cfg.admit_limit,
-                                                    cfg.context_window, self.engine.pool.cfg.capacity_tokens, bug))
+        acts = self.host.feed(lambda: self.core.prefill(p.rid, nonce, n, p.max_new, cfg.admit_limit,
+                                                        cfg.context_window, self.engine.pool.cfg.capacity_tokens, bug))
         if any(isinstance(a, core.Admit) and a.placeholder for a in acts):
             p.prompt = p.prompt[:1]  # the 2026 bug: a 1-token placeholder, committed as if complete
         params = SamplingParams(**{**p.sampling, "max_tokens": 1})  # prefill samples the first token only
         done: asyncio.Future = self.loop.create_future()
         self.pending[p.rid] = (p, done)
-        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid, p.lease.nonce), lease=p.lease, group=p.group,
+        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid, nonce), lease=p.lease, group=p.group,
                        tenant=p.tenant)
 
         def admit() -> None:  # engine thread: a lease forgotten meanwhile never reaches the engine
-            if self._feed(lambda: self.core.computing(p.rid, p.lease.nonce)):
-                self.engine._admit(seq)  # admission: raises before any allocation
+            if self.host.feed(lambda: self.core.computing(p.rid, nonce)):
+                self.engine.admit(seq)  # the engine's own admission: raises before any allocation
 
         try:
             if self.faults.fire("delay_prefill_admit"):
@@ -81,7 +123,7 @@ class PrefillService:
             try:
                 await asyncio.wrap_future(self.engine.call(admit))
             except EngineError as e:  # refused by the engine: the router gets this error, nothing else to settle
-                self._feed(lambda e=e: self.core.failed(p.rid, p.lease.nonce, e))
+                self.host.feed(lambda e=e: self.core.failed(p.rid, nonce, e))
                 raise
             return await done
         finally:
@@ -90,41 +132,29 @@ class PrefillService:
     async def forget(self, f: P.Forget) -> dict:
         """Stop, or never start, writing into this lease: decode expired it, or the router gave up on it.
         ``{"writing": false}`` promises no byte will land."""
-        writing, acts = self._feed(lambda: self.core.forget(f.rid, f.nonce))
-        self._carry(acts)
+        writing, acts = self.host.feed(lambda: self.core.forget(f.rid, f.nonce))
+        engine, loop = self.host.split(acts)
+        if engine:
+            self.engine.call(lambda: self.host.on_engine(engine, f.nonce))
+        self.host.on_loop(loop, f.nonce)
         return {"writing": writing}
-
-    def _carry(self, acts: list) -> None:
-        """Event loop: carry out the core's actions."""
-        for a in acts:
-            if isinstance(a, core.StopCompute):
-                self.engine.call(lambda rid=a.rid: self.engine._abort(rid))
-            elif isinstance(a, core.ReleaseOwn):
-                self.engine.call(lambda rid=a.rid: self.engine.release(rid))
-            elif isinstance(a, core.Settle):
-                self._settle(a.rid, a.result)
 
     def _sink(self, rid: int, nonce: int):
         def sink(ev: Event) -> None:  # engine thread
             if ev.error is not None and self.loop:
                 err = ev.error if isinstance(ev.error, EngineError) else EngineError(str(ev.error))
-                acts = self._feed(lambda: self.core.failed(rid, nonce, err))
-                self.loop.call_soon_threadsafe(self._carry, acts)
+                acts = self.host.feed(lambda: self.core.failed(rid, nonce, err))
+                self.host.on_engine(acts, nonce)
+                self._on_loop(acts, nonce)
         return sink
-
-    def _settle(self, rid: int, result: object) -> None:
-        entry = self.pending.get(rid)
-        if entry and not entry[1].done():
-            if isinstance(result, BaseException):
-                entry[1].set_exception(result)
-            else:
-                entry[1].set_result(result)
 
     def handoff(self, seq: Sequence) -> None:
         """Engine thread, right after prefill: write the prompt's pages into the lease, then commit."""
         lease: P.Lease = seq.lease
-        if not any(isinstance(a, core.Write) for a in self._feed(lambda: self.core.prefilled(seq.rid, lease.nonce))):
-            self.engine.release(seq.rid)  # withdrawn meanwhile: nothing written, the request was answered
+        rid, nonce = seq.rid, lease.nonce
+        acts = self.host.feed(lambda: self.core.prefilled(rid, nonce))
+        if not any(isinstance(a, core.Write) for a in acts):  # withdrawn meanwhile: nothing written
+            self.host.on_engine(acts, nonce)
             return
         n = len(seq.prompt)
         k = self.engine.pool.cfg.pages_for(n)
@@ -136,24 +166,25 @@ class PrefillService:
                 self._write(src, lease, dst)
             self.faults.crash("crash_after_write")
         except Exception as e:  # noqa: BLE001 - the transfer failed: nothing was committed
-            acts = self._feed(lambda e=e: self.core.written(seq.rid, lease.nonce,
-                                                            EngineError(f"KV transfer failed: {e}")))
-            self.engine.release(seq.rid)
-            self.loop.call_soon_threadsafe(self._carry, [a for a in acts if not isinstance(a, core.ReleaseOwn)])
+            acts = self.host.feed(lambda e=e: self.core.written(rid, nonce, EngineError(f"KV transfer failed: {e}")))
+            engine, loop = self.host.split(acts)
+            self.host.on_engine(engine, nonce)
+            self._on_loop(loop, nonce)
             return
-        acts = self._feed(lambda: self.core.written(seq.rid, lease.nonce))
-        if any(isinstance(a, core.ReleaseOwn) for a in acts):
-            self.engine.release(seq.rid)  # unsafe: free before decode has even seen the commit
         first = seq.tokens[-1]
-        digest = P.checksum(self.engine.pool.kv, src, n, seq.rid, lease.nonce, dst, lease.generations[:k], first)
+        digest = P.checksum(self.engine.pool.kv, src, n, rid, nonce, dst, lease.generations[:k], first)
         if self.faults.fire("corrupt_commit"):
             first = (first + 1) % self.engine.model.cfg.vocab_size  # the message changed after it was hashed
-        commit = P.Commit(rid=seq.rid, nonce=lease.nonce, n_tokens=n, first_token=first, pages=dst,
+        commit = P.Commit(rid=rid, nonce=nonce, n_tokens=n, first_token=first, pages=dst,
                           generations=lease.generations[:k], checksum=digest, cap=lease.cap)
         late_write = (lambda: self._write(src, lease, dst)) if late else None
-        lp, cached = seq.logprob, seq.cached_tokens
-        self.loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._commit(seq.rid, commit, late_write, lp, cached)))
+        self.commits[rid] = (commit, late_write, seq.logprob, seq.cached_tokens)
+        acts = self.host.feed(lambda: self.core.written(rid, nonce))
+        engine, loop = self.host.split(acts)
+        self.host.on_engine(engine, nonce)  # unsafe mode only: free before decode has even seen the commit
+        if not loop:
+            self.commits.pop(rid, None)
+        self.host.on_loop(loop, nonce)  # SendCommit: hands the commit to the event loop
 
     def _write(self, src: list[int], lease: P.Lease, dst: list[int]) -> None:
         """One-sided write of this worker's pages ``src`` into the leased decode pages ``dst``."""
@@ -189,17 +220,15 @@ class PrefillService:
             m.transfer_seconds.observe(time.perf_counter() - t0)
             m.transfer_bytes.inc(len(commit.pages) * kv[0].numel() * kv.element_size())
         ack.first_logprob, ack.cached_tokens = logprob, cached
-        acts = self._feed(lambda: self.core.acked(rid, commit.nonce, ack))
+        acts = self.host.feed(lambda: self.core.acked(rid, commit.nonce, ack))
         # Deferred release: decode has answered (or is gone), so these pages may go. Pool tags change on the
         # engine thread only, and that call queues behind the engine's current step: the answer goes out first,
         # so a first token never waits for the next prefill batch.
-        released = [self.engine.call(lambda: self.engine.release(rid)) for a in acts if isinstance(a, core.ReleaseOwn)]
-        for a in acts:
-            if isinstance(a, core.SendWriterDone):
-                await self._writer_done(p, a.nonce)
-        self._carry([a for a in acts if isinstance(a, core.Settle)])
-        for fut in released:
-            await asyncio.wrap_future(fut)
+        engine, loop = self.host.split(acts)
+        released = self.engine.call(lambda: self.host.on_engine(engine, commit.nonce)) if engine else None
+        self.host.on_loop(loop, commit.nonce)
+        if released is not None:
+            await asyncio.wrap_future(released)
 
     async def _send_commit(self, url: str, commit: P.Commit) -> P.Ack:
         if self.faults.fire("delay_commit"):
@@ -211,9 +240,9 @@ class PrefillService:
             r = await self.client.post(url + "/kv/commit", content=P.encode(commit))
         return P.decode(r.content, P.Ack)
 
-    async def _writer_done(self, p: P.Prefill, nonce: int) -> None:
+    async def _writer_done(self, p: P.Prefill) -> None:
         try:
-            done = P.WriterDone(rid=p.rid, nonce=nonce, cap=p.lease.cap)
+            done = P.WriterDone(rid=p.rid, nonce=p.lease.nonce, cap=p.lease.cap)
             await self.client.post(p.decode_url + "/kv/writer_done", content=P.encode(done))
         except httpx.HTTPError:
             pass  # decode gone: nothing left to release there

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
 
-from kvseal.engine.errors import EngineError
 from kvseal.engine.sampling import Logprob
 from kvseal.engine.sequence import Event
+from kvseal.errors import EngineError
 from kvseal.server.metrics import Metrics
 from kvseal.server.text import TextStream, TokenStrings
 

@@ -23,14 +23,14 @@ import httpx
 import msgspec
 
 from kvseal.config import Protections
-from kvseal.engine.errors import EngineError, Overloaded, TooManyRequests
 from kvseal.engine.sequence import Event
+from kvseal.errors import EngineError, Overloaded, TooManyRequests
 from kvseal.faults import Faults
 from kvseal.protocol import router as rp
 from kvseal.protocol.router import RouterRequest, WorkerHealth
 from kvseal.server.backend import GenRequest
 from kvseal.server.mux import TokenMux
-from kvseal.transfer import protocol as P
+from kvseal.transfer import messages as P
 
 
 @dataclass
@@ -84,8 +84,8 @@ class DisaggBackend:
                  max_inflight: int = 256, queue_timeout: float = 120.0, http: dict | None = None) -> None:
         self.probe_timeout = probe_timeout
         self.busy_grace = max(3 * probe_timeout, 10.0)
-        self.prefills = [self._worker(u, "prefill") for u in prefill]
         self.decodes = [self._worker(u, "decode") for u in decode]
+        self.prefills = [self._worker(u, "prefill") for u in prefill]
         self.model_name = model_name
         self.timeout = timeout
         self.prot = protections or Protections()
@@ -139,7 +139,8 @@ class DisaggBackend:
 
     def _worker(self, url: str, role: str) -> Worker:
         url = url.rstrip("/")
-        return Worker(url, role, WorkerHealth(url, role, self.FENCE_AFTER, self.busy_grace))
+        decodes = tuple(d.url for d in self.decodes) if role == "prefill" else ()
+        return Worker(url, role, WorkerHealth(url, role, self.FENCE_AFTER, self.busy_grace, decodes))
 
     async def _probe(self, w: Worker) -> None:
         """Feed the worker's health machine: a busy worker is not a dead one (``WorkerHealth``)."""
@@ -152,15 +153,20 @@ class DisaggBackend:
             acts = w.health.probe_failed(time.monotonic(), timed_out=isinstance(e, httpx.TimeoutException))
         for a in acts:
             if isinstance(a, rp.Fence):
-                await self._fence(w)
+                await self._fence(w, a.to)
 
-    async def _fence(self, dead: Worker) -> None:
-        for d in self.decodes:
-            if d.healthy:
-                try:
-                    await self.client.post(d.url + "/kv/fence", content=P.encode(P.Fence(prefill_id=dead.url)))
-                except httpx.HTTPError:
-                    pass
+    async def _fence(self, dead: Worker, to: tuple[str, ...]) -> None:
+        """Every decode named, healthy or not: one that misses it (unreachable now) is asked again at each
+        probe, and the prefill stays out of service until all have confirmed (``WorkerHealth.confirmed``)."""
+        async def one(url: str) -> None:
+            try:
+                r = await self.client.post(url + "/kv/fence", content=P.encode(P.Fence(prefill_id=dead.url)),
+                                           timeout=self.probe_timeout)
+            except httpx.HTTPError:
+                return
+            if r.status_code == 200:
+                dead.health.confirmed(url)
+        await asyncio.gather(*[one(url) for url in to])
 
     async def health_loop(self, period: float = 1.0) -> None:
         while True:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvseal.engine.errors import BadRequest
+from kvseal.errors import BadRequest
 
 MAX_N = 32  # choices per request (n, or prompts × n in a completions batch)
 

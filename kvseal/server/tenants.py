@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from kvseal.engine.errors import BadRequest
+from kvseal.errors import BadRequest
 
 
 class Unauthorized(BadRequest):

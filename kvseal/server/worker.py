@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 
+from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec, build_engine
 from kvseal.faults import Faults
 from kvseal.server.guard import FRONT_MAX_BODY, Guard
@@ -79,11 +80,9 @@ def serve_router(a: argparse.Namespace) -> None:
 
     tokenizer = load_front_tokenizer(a)
     served = front(a, tokenizer)
-    from kvseal.cli import protections
-
     _, http = cluster_auth(a, "router", f"router@{a.host}:{a.port}")
-    backend = DisaggBackend(a.prefill, a.decode, served.names[0], timeout=a.timeout, protections=protections(a),
-                            faults=Faults.from_env(), probe_timeout=a.probe_timeout, max_inflight=a.max_inflight,
+    backend = DisaggBackend(a.prefill, a.decode, served.names[0], timeout=a.timeout,
+                            protections=Protections.from_args(a), faults=Faults.from_env(), probe_timeout=a.probe_timeout, max_inflight=a.max_inflight,
                             queue_timeout=a.queue_timeout, http=http)
     metrics = Metrics(per_tenant=a.per_tenant_metrics)
     metrics.add_source(backend.metric_rows)

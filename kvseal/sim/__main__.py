@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from kvseal.protocol.machine import SAFE, Variants
-from kvseal.sim.world import Outcome, run_seed, shrink
+from kvseal.sim.run import Outcome, run_seed, shrink
 
 
 def _chunk(args: tuple[int, int, str]) -> tuple[int, Outcome | None]:
@@ -59,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=2000)
     ap.add_argument("--first", type=int, default=0)
-    ap.add_argument("--variant", default="safe", choices=("safe", *Variants.NAMES))
+    ap.add_argument("--variant", default="safe", choices=("safe", *Variants.NAMES, *Variants.SIM_NAMES))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--replay", type=int, default=None)
     a = ap.parse_args()

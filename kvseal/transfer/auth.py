@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from kvseal.engine.errors import EngineError
+from kvseal.errors import EngineError
 
 ROLES = ("router", "prefill", "decode")
 WINDOW = 30.0  # seconds a signature stays valid either side of now

@@ -19,12 +19,19 @@ import msgspec
 import torch
 import xxhash
 
-from kvseal.engine.errors import EngineError
-from kvseal.engine.sampling import Logprob
+from kvseal.errors import EngineError
 
 VERSION = 4  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout;
 # 4: every sampling parameter travels (SamplingParams.to_wire), logprobs ride with tokens, leases carry a
 # capability that commits and WriterDone must present
+
+
+class Logprob(msgspec.Struct, array_like=True, frozen=True):
+    """One generated token's logprob and the ``top`` alternatives, most likely first: ``[(token, logprob)]``."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []
 
 
 class Msg(msgspec.Struct, kw_only=True):
