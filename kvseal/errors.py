@@ -47,6 +47,10 @@ class Overloaded(EngineError):
     type = "server_error"
 
 
+class Unanswered(Overloaded):
+    """A worker never answered (refused, reset, or still busy at the timeout): what it did is unknown."""
+
+
 class TooManyRequests(EngineError):
     """Shed at the door: more in flight than the workers are allowed to queue. Retry later."""
 

@@ -156,7 +156,11 @@ async def capability_scenario(check: bool) -> dict:
         out = {"other_lease": await status_of(dec.commit(commit_for(a, b.cap))),
                "no_cap": await status_of(dec.commit(commit_for(a, None))),
                "outside": await status_of(dec.commit(commit_for(b, b.cap, pages=[*b.pages, a.pages[0]]))),
-               "forged": await status_of(dec.commit(commit_for(a, forged, pages=a.pages + b.pages)))}
+               "forged": await status_of(dec.commit(commit_for(a, forged, pages=a.pages + b.pages))),
+               # WriterDone names no pages: only the capability's own lease binds it (else a's writer could
+               # release b's pages while b's writer still writes)
+               "writer_done_other_lease": await status_of(dec.writer_done(P.WriterDone(rid=2, nonce=b.nonce,
+                                                                                       cap=a.cap)))}
         await dec.fence(P.Fence(prefill_id="p0"))
         out["commit_after_fence"] = await status_of(dec.commit(commit_for(a, a.cap)))
         out["writer_done_after_fence"] = await status_of(dec.writer_done(P.WriterDone(rid=1, nonce=a.nonce,
@@ -168,8 +172,8 @@ async def capability_scenario(check: bool) -> dict:
 
 def test_a_commit_must_present_its_own_lease_capability():
     r = asyncio.run(capability_scenario(check=True))
-    assert r == {"other_lease": 403, "no_cap": 403, "outside": 403, "forged": 403, "commit_after_fence": 410,
-                 "writer_done_after_fence": 410}, r
+    assert r == {"other_lease": 403, "no_cap": 403, "outside": 403, "forged": 403, "writer_done_other_lease": 403,
+                 "commit_after_fence": 410, "writer_done_after_fence": 410}, r
 
 
 def test_an_expired_capability_is_gone():

@@ -69,6 +69,18 @@ def test_a_page_tagged_for_another_tenant_fails_the_tag_check():
     assert not pool.run_ok(a, 1, PageState.OWNED, tenant_tag("globex"))
 
 
+def test_a_run_from_before_its_pages_were_freed_fails_the_check():
+    """The same request id holds the same pages again (a reused id): owner, state and tenant match, only the
+    generation tells the old run from the new one."""
+    pool = small_pool(2)
+    old = pool.allocate(1, 2, PageState.RESERVED)
+    pool.free(old)
+    new = pool.allocate(1, 2, PageState.RESERVED)
+    assert sorted(new.pages) == sorted(old.pages)
+    assert pool.run_ok(new, 1, PageState.RESERVED)
+    assert not pool.run_ok(old, 1, PageState.RESERVED)
+
+
 def test_reserved_and_quarantined_pages_are_not_readable():
     pool = small_pool()
     a = pool.allocate(1, 2, PageState.RESERVED)

@@ -199,3 +199,30 @@ def test_a_duplicate_reserve_racing_the_first_leaks_no_pages():
     got, free, total = asyncio.run(scenario())
     assert sorted(type(g).__name__ for g in got) == ["Forbidden", "Lease"], got
     assert free == total, f"{total - free} pages never came back"
+
+
+# -- decode's tag check at commit: a leased page handed to anyone else is never read as the lease's ----------
+async def retagged_commit(prot: Protections) -> tuple[P.Ack, dict]:
+    svc = decode_service(prot)
+    try:
+        lease = await svc.reserve(reserve(1))
+        k = svc.pool.cfg.pages_for(20)
+        digest = P.checksum(svc.pool.kv, lease.pages[:k], 20, 1, lease.nonce, lease.pages[:k],
+                            lease.generations[:k], 0)
+        svc.pool.owner[lease.pages[0]] = 99  # a pool bug handed the page to request 99 meanwhile
+        ack = await svc.commit(P.Commit(rid=1, nonce=lease.nonce, n_tokens=20, first_token=0, pages=lease.pages[:k],
+                                        generations=lease.generations[:k], checksum=digest, cap=lease.cap))
+        return ack, dict(svc.core.refused)
+    finally:
+        svc.engine.stop()
+
+
+def test_a_commit_into_pages_tagged_for_another_request_is_refused():
+    ack, refused = asyncio.run(retagged_commit(Protections()))
+    assert not ack.ok and ack.status == 500 and ack.code == "kv_integrity_error", ack
+    assert refused == {"tag": 1}
+
+
+def test_without_page_tags_the_retagged_pages_are_read():
+    ack, refused = asyncio.run(retagged_commit(Protections(page_tags=False)))
+    assert ack.ok and not refused, ack

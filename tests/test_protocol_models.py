@@ -167,3 +167,17 @@ def test_an_abort_for_another_lease_of_the_same_request_id_changes_nothing():
     assert core.abort(1, nonce=4, writer_done=True) == []  # an older lease's abort
     assert core.leases[1].state is decode.LeaseState.RESERVED
     assert decode.Release(1) in core.abort(1, nonce=cap.nonce, writer_done=True)
+
+
+def test_an_unanswered_prefill_is_reported_done_only_when_it_confirms():
+    """The router gave up waiting for prefill: decode may free the lease at once only if prefill confirmed (its
+    Forget answer) that it never wrote; otherwise the pages wait (WriterDone, fence or TTL). A rare interleaving
+    for the simulator (a timeout inside the write window), so held directly here."""
+    lease = P.Lease(rid=1, nonce=42, pages=[0], generations=[0], n_prompt=4, decode_id="d0", target="t", layout=[])
+    for confirmed in (False, True):
+        m = router.RouterRequest(1)
+        m.start()
+        assert m.lease(lease) == [router.SendPrefill(1, lease)]
+        assert m.unanswered() == [router.SendForget(1, 42)]
+        acts = m.forget_answer(confirmed)
+        assert acts[0] == router.SendAbort(1, 42, writer_done=confirmed), acts

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
 import httpx
@@ -24,10 +24,11 @@ import msgspec
 
 from kvseal.config import Protections
 from kvseal.engine.sequence import Event
-from kvseal.errors import EngineError, Overloaded, TooManyRequests
+from kvseal.errors import EngineError, Overloaded, TooManyRequests, Unanswered
 from kvseal.faults import Faults
 from kvseal.protocol import router as rp
 from kvseal.protocol.router import RouterRequest, WorkerHealth
+from kvseal.protocol.router_host import RouterHost
 from kvseal.server.backend import GenRequest
 from kvseal.server.mux import TokenMux
 from kvseal.transfer import messages as P
@@ -68,12 +69,84 @@ def worker_error(status: int, a: dict) -> EngineError:
     return e
 
 
-class Unanswered(Overloaded):
-    """The worker never answered (refused, reset, or still busy at the timeout): what it did is unknown."""
-
-
 def _down(w: Worker) -> None:
     w.health.down()
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request on this router: its machine, its workers, where its first token (or error) goes, and the
+    step in flight."""
+
+    m: RouterRequest
+    d: Worker
+    p: Worker
+    req: GenRequest
+    first: asyncio.Queue = field(default_factory=asyncio.Queue)
+    step: asyncio.Task | None = None
+
+
+class HttpPorts:
+    """``RouterPorts`` over httpx: each step an asyncio task that answers the host when the worker does."""
+
+    def __init__(self, b: DisaggBackend) -> None:
+        self.b = b
+
+    def _step(self, f: Flight, coro: Coroutine) -> None:
+        f.step = self.b._spawn(coro)
+
+    def reserve(self, f: Flight, answer: Callable[[object], None]) -> None:
+        self._step(f, self._reserve(f, answer))
+
+    async def _reserve(self, f: Flight, answer: Callable[[object], None]) -> None:
+        req = f.req
+        r = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
+                      sampling=req.params.to_wire(), prefill_id=f.p.url, subscriber=self.b.subscriber)
+        try:
+            lease = P.decode(await self.b._post(f.d, "/kv/reserve", r), P.Lease)
+        except EngineError as e:
+            answer(e)
+            return
+        except msgspec.MsgspecError as e:  # a malformed answer: whatever decode did, its TTL ends it
+            answer(Unanswered(f"decode answered a malformed lease: {e}"))
+            return
+        self.b.faults.crash("crash_after_reserve")
+        answer(lease)
+
+    def prefill(self, f: Flight, lease: P.Lease, answer: Callable[[object], None]) -> None:
+        self._step(f, self._prefill(f, lease, answer))
+
+    async def _prefill(self, f: Flight, lease: P.Lease, answer: Callable[[object], None]) -> None:
+        req = f.req
+        msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
+                        sampling=req.params.to_wire(), lease=lease, decode_url=f.d.url, group=req.group)
+        try:  # queued behind other prompts on a live prefill is not a failure: wait up to the queue timeout
+            ack = P.decode(await self.b._post(f.p, "/prefill", msg, timeout=self.b.queue_timeout), P.Ack)
+        except EngineError as e:  # Unanswered, or prefill's refusal
+            answer(e)
+            return
+        except msgspec.MsgspecError as e:  # what prefill did is unknown: the Forget path finds out
+            answer(Unanswered(f"prefill answered a malformed ack: {e}"))
+            return
+        answer(ack)
+
+    def forget(self, f: Flight, rid: int, nonce: int, answer: Callable[[bool], None]) -> None:
+        async def run() -> None:
+            answer(await self.b._forget(f.p, rid, nonce))
+        self._step(f, run())
+
+    def abort(self, f: Flight, rid: int, nonce: int, writer_done: bool) -> None:
+        self.b._spawn(self.b._abort(f.d, rid, nonce, writer_done))
+
+    def first_token(self, f: Flight, ack: P.Ack) -> None:
+        f.first.put_nowait(ack)
+
+    def fail(self, f: Flight, error: EngineError) -> None:
+        f.first.put_nowait(error)
+
+    def cancel(self, f: Flight) -> None:
+        if f.step is not None:
+            f.step.cancel()
 
 
 class DisaggBackend:
@@ -99,6 +172,7 @@ class DisaggBackend:
         self.max_inflight = max_inflight  # per worker: past it, new requests are shed with 429 at once
         self.queue_timeout = max(queue_timeout, timeout)  # a transfer's wait for prefill, queue included
         self.subscriber = secrets.token_hex(8)  # names this router's token stream on every decode
+        self.host = RouterHost(HttpPorts(self))
         for d in self.decodes:
             d.mux = TokenMux(self.client, d.url, self.subscriber, timeout, on_dead=lambda d=d: _down(d))
 
@@ -236,18 +310,18 @@ class DisaggBackend:
         return r.content
 
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
-        """The request's protocol runs in its own task (``_drive``), fed to a ``RouterRequest`` machine; this
-        generator only relays. A client that leaves tells the machine (``left``), which decides what to undo."""
+        """The request's protocol is a ``RouterRequest`` machine whose actions ``RouterHost`` carries out through
+        this backend's ports (``HttpPorts``: each step an asyncio task); this generator only relays. A client that
+        leaves tells the machine (``left``), which decides what to undo."""
         d, p = self._pick(self.decodes), self._pick(self.prefills)
         p.inflight += 1
         d.inflight += 1
-        m = RouterRequest(req.rid, guarded=self.prot.disconnect_guard)
-        first: asyncio.Queue = asyncio.Queue()
+        f = Flight(RouterRequest(req.rid, guarded=self.prot.disconnect_guard), d, p, req)
         events = d.mux.register(req.rid)  # before the lease exists: no event of this request goes unclaimed
-        driver = self._spawn(self._drive(m, d, p, req, first))
+        self.host.carry(f, f.m.start())
         committed = finished = False
         try:
-            got = await first.get()
+            got = await f.first.get()
             if isinstance(got, BaseException):
                 raise got
             committed = True
@@ -257,66 +331,21 @@ class DisaggBackend:
             async for ev in self._events(events, req.rid):
                 finished = ev.finish_reason is not None
                 if finished:
-                    m.final()
+                    f.m.final()
                 yield ev
         finally:
             d.inflight -= 1
             if not committed:
                 p.inflight -= 1
             d.mux.unregister(req.rid)
-            if not finished:  # client left or stream broke. A task, not an await: this may run cancelled.
-                acts = m.left()
-                if any(isinstance(a, rp.CancelStep) for a in acts):
-                    driver.cancel()
-                self._spawn(self._carry(m, d, p, req, acts, first))
-
-    async def _drive(self, m: RouterRequest, d: Worker, p: Worker, req: GenRequest, first: asyncio.Queue) -> None:
-        await self._carry(m, d, p, req, m.start(), first)
-
-    async def _carry(self, m: RouterRequest, d: Worker, p: Worker, req: GenRequest, acts: list,
-                     first: asyncio.Queue) -> None:
-        """Carry out the machine's actions, feeding it each answer, until it has nothing more to say."""
-        while acts:
-            a, acts = acts[0], acts[1:]
-            if isinstance(a, rp.SendReserve):
-                r = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
-                              sampling=req.params.to_wire(), prefill_id=p.url, subscriber=self.subscriber)
-                try:
-                    lease = await self._reserve(d, r)
-                except EngineError as e:
-                    acts += m.reserve_failed(e)
-                    continue
-                self.faults.crash("crash_after_reserve")
-                acts += m.lease(lease)
-            elif isinstance(a, rp.SendPrefill):
-                msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
-                                sampling=req.params.to_wire(), lease=a.lease, decode_url=d.url, group=req.group)
-                try:  # queued behind other prompts on a live prefill is not a failure: wait up to the queue timeout
-                    ack = P.decode(await self._post(p, "/prefill", msg, timeout=self.queue_timeout), P.Ack)
-                except Unanswered as e:  # unreachable, or busy past the timeout: what it did is unknown
-                    acts += m.unanswered(e)
-                    continue
-                except EngineError as e:  # prefill answered: it writes nothing more
-                    acts += m.refused(e)
-                    continue
-                acts += m.acked(ack)
-            elif isinstance(a, rp.SendForget):
-                acts += m.forget_answer(await self._forget(p, a.rid, a.nonce))
-            elif isinstance(a, rp.SendAbort):
-                await self._abort(d, a.rid, a.nonce, writer_done=a.writer_done)
-            elif isinstance(a, rp.FirstToken):
-                first.put_nowait(a.ack)
-            elif isinstance(a, rp.Fail):
-                first.put_nowait(a.error)
+            if not finished:  # client left or stream broke; carry only spawns tasks: safe while cancelled
+                self.host.carry(f, f.m.left())
 
     def _spawn(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    async def _reserve(self, d: Worker, r: P.Reserve) -> P.Lease:
-        return P.decode(await self._post(d, "/kv/reserve", r), P.Lease)
 
     async def _forget(self, p: Worker, rid: int, nonce: int) -> bool:
         """The router gave up on a transfer: prefill stops the request if it has not written yet. True only if

@@ -6,8 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvseal.errors import EngineError, Overloaded
+from kvseal.errors import EngineError, Overloaded, Unanswered
 from kvseal.protocol import router as rc
+from kvseal.protocol.router_host import RouterHost
 from kvseal.sim.base import LENGTHS, PAGE, Request, error_status
 from kvseal.sim.decode import DecodeNode
 from kvseal.sim.prefill import PrefillNode
@@ -38,6 +39,7 @@ class RouterNode:
         self.health = {p.name: rc.WorkerHealth(p.name, "prefill", busy_grace=3.0, decodes=(world.decode.name,),
                                                variants=world.variants) for p in world.prefills}
         self.fenced_at: dict[str, tuple[int, int]] = {}  # prefill → (decode incarnation, its epoch) when fenced
+        self.host = RouterHost(self)
         self.boot()
 
     def boot(self) -> None:
@@ -100,7 +102,7 @@ class RouterNode:
         if call.m.state is None and self.calls.get(call.req.rid) is call:
             del self.calls[call.req.rid]
 
-    def expect(self, call: Call, timeout: float, on_timeout: Callable[[], list]) -> Callable[[Callable], Callable]:
+    def expect(self, call: Call, timeout: float, on_timeout: Callable[[], None]) -> Callable[[Callable], Callable]:
         """Arm a timeout for the call's next answer; returns a wrapper that lets only that answer through."""
         call.step += 1
         step, inc = call.step, self.inc
@@ -108,7 +110,8 @@ class RouterNode:
         def fire() -> None:
             if self.up and self.inc == inc and call.step == step:
                 call.step += 1
-                self.carry(call, on_timeout())
+                on_timeout()
+                self.done(call)
 
         self.w.at(timeout, fire)
 
@@ -116,60 +119,68 @@ class RouterNode:
             def answer(x: object) -> None:
                 if self.up and self.inc == inc and call.step == step:
                     call.step += 1
-                    self.carry(call, fn(x))
+                    fn(x)
+                    self.done(call)
             return answer
         return wrap
 
     def carry(self, call: Call, acts: list) -> None:
-        w, m, req = self.w, call.m, call.req
-        for a in acts:
-            if isinstance(a, rc.SendReserve):
-                r = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=[1] * req.n_prompt, max_new=req.max_new,
-                              sampling={}, prefill_id=call.prefill.name, subscriber=self.subscriber)
-                wrap = self.expect(call, 10.0, lambda: m.reserve_failed(Overloaded("decode unanswered")))
-                inc, dec = self.inc, w.decode
-
-                def on_lease(x: object) -> list:
-                    if isinstance(x, BaseException):
-                        return m.reserve_failed(x)
-                    lease, serial = x
-                    call.nonce, call.serial = lease.nonce, serial
-                    return m.lease(lease)
-                reply = wrap(on_lease)
-                w.send(f"reserve rid {req.rid}", lambda dec=dec, r=r, inc=inc, reply=reply: dec.reserve(
-                    req, r, inc, lambda x: w.send(f"lease rid {req.rid}", lambda: reply(x))))
-            elif isinstance(a, rc.SendPrefill):
-                msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=[1] * req.n_prompt, max_new=req.max_new,
-                                sampling={}, lease=a.lease, decode_url="decode")
-                wrap = self.expect(call, 16.0, lambda: m.unanswered(Overloaded("prefill unanswered")))
-                pre, serial = call.prefill, call.serial
-
-                def on_answer(x: object) -> list:
-                    if isinstance(x, BaseException):
-                        return m.refused(x)
-                    if not x.ok:
-                        e = EngineError(x.message or x.code)
-                        e.status, e.code = x.status, x.code
-                        return m.refused(e)
-                    self.health[call.prefill.name].answered(w.now)
-                    return m.acked(x)
-                reply = wrap(on_answer)
-                w.send(f"prefill rid {req.rid}", lambda pre=pre, msg=msg, serial=serial, reply=reply: pre.prefill(
-                    msg, serial, req, lambda x: w.send(f"prefill answer rid {req.rid}", lambda: reply(x))))
-            elif isinstance(a, rc.SendForget):
-                wrap = self.expect(call, 4.0, lambda: m.forget_answer(False))
-                reply = wrap(lambda writing: m.forget_answer(not writing))
-                pre = call.prefill
-                w.send(f"router forget rid {req.rid}", lambda pre=pre, a=a, reply=reply: pre.forget(a.rid, a.nonce, reply))
-            elif isinstance(a, rc.SendAbort):
-                ab, dec = P.Abort(rid=a.rid, nonce=a.nonce, writer_done=a.writer_done), w.decode
-                w.send(f"abort rid {a.rid} writer_done={a.writer_done}", lambda dec=dec, ab=ab: dec.abort(ab))
-            elif isinstance(a, rc.FirstToken):
-                call.first = True
-                self.watch(call)
-            elif isinstance(a, rc.Fail) and not req.ended:
-                w.ended(req, error_status(a.error))
+        self.host.carry(call, acts)
         self.done(call)
+
+    # -- RouterPorts: what the shipped host asks of this node -------------------------------------------------
+    def reserve(self, call: Call, answer: Callable[[object], None]) -> None:
+        w, req = self.w, call.req
+        r = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=[1] * req.n_prompt, max_new=req.max_new,
+                      sampling={}, prefill_id=call.prefill.name, subscriber=self.subscriber)
+        wrap = self.expect(call, 10.0, lambda: answer(Unanswered("decode unanswered")))
+
+        def on_lease(x: object) -> None:
+            if not isinstance(x, BaseException):
+                lease, serial = x
+                call.nonce, call.serial = lease.nonce, serial
+                x = lease
+            answer(x)
+        reply = wrap(on_lease)
+        inc, dec = self.inc, w.decode
+        w.send(f"reserve rid {req.rid}", lambda: dec.reserve(
+            req, r, inc, lambda x: w.send(f"lease rid {req.rid}", lambda: reply(x))))
+
+    def prefill(self, call: Call, lease: P.Lease, answer: Callable[[object], None]) -> None:
+        w, req = self.w, call.req
+        msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=[1] * req.n_prompt, max_new=req.max_new,
+                        sampling={}, lease=lease, decode_url="decode")
+        wrap = self.expect(call, 16.0, lambda: answer(Unanswered("prefill unanswered")))
+        pre, serial = call.prefill, call.serial
+
+        def on_answer(x: object) -> None:
+            if not isinstance(x, BaseException) and x.ok:
+                self.health[pre.name].answered(w.now)
+            answer(x)
+        reply = wrap(on_answer)
+        w.send(f"prefill rid {req.rid}", lambda: pre.prefill(
+            msg, serial, req, lambda x: w.send(f"prefill answer rid {req.rid}", lambda: reply(x))))
+
+    def forget(self, call: Call, rid: int, nonce: int, answer: Callable[[bool], None]) -> None:
+        wrap = self.expect(call, 4.0, lambda: answer(False))
+        reply = wrap(lambda writing: answer(not writing))
+        pre = call.prefill
+        self.w.send(f"router forget rid {rid}", lambda: pre.forget(rid, nonce, reply))
+
+    def abort(self, call: Call, rid: int, nonce: int, writer_done: bool) -> None:
+        ab, dec = P.Abort(rid=rid, nonce=nonce, writer_done=writer_done), self.w.decode
+        self.w.send(f"abort rid {rid} writer_done={writer_done}", lambda: dec.abort(ab))
+
+    def first_token(self, call: Call, ack: P.Ack) -> None:
+        call.first = True
+        self.watch(call)
+
+    def fail(self, call: Call, error: EngineError) -> None:
+        if not call.req.ended:
+            self.w.ended(call.req, error_status(error))
+
+    def cancel(self, call: Call) -> None:
+        pass  # the simulated router always guards its steps
 
     def watch(self, call: Call) -> None:
         """The token stream's silence limit: a request that hears nothing for a while fails, never hangs."""
