@@ -37,7 +37,7 @@ sim: setup
 models: setup
 	$(BIN)/python formal/check.py
 
-# Protocol mutations, one at a time on a copy of the tree, each to be killed by the tests (~25 min)
+# Protocol mutations, one at a time on a copy of the tree, each to be killed by the tests (~45 min)
 mutants: setup
 	$(BIN)/python tests/mutants.py --json bench/out/mutants.json
 

@@ -1,9 +1,10 @@
 """The decode worker's HTTP adapter: reserve → (pages land) → commit → decode → stream.
 
 The lease rules (coverage, tags, checksum, capabilities and epochs, quarantine until the writer is known done,
-expiry, fencing, a router gone) live in ``kvseal.protocol.decode.DecodeCore``; this module parses messages,
-feeds the core and carries out what it says: pool changes on the engine thread, replies, stream events and
-Forget requests on the event loop. What is only this service's: waiting boundedly for pages (a pool that has
+expiry, fencing, a router gone) live in ``kvseal.protocol.decode.DecodeCore``, and its actions are carried out
+by ``kvseal.protocol.decode_host.DecodeHost`` (the code the simulator runs too). This module parses messages,
+feeds the host and implements its ports (``EnginePorts``): pool changes on the engine thread, replies, stream
+events and Forget requests on the event loop. What is only this service's: waiting boundedly for pages (a pool that has
 none to spare *now*), the per-router token streams and their bounds.
 
 Tokens go back multiplexed: each router holds one stream (``/streams/{subscriber}``) and gets one line per
@@ -239,10 +240,6 @@ class DecodeService:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def event(self, event: Callable[[], list]) -> list:
-        """Feed one event on the event loop and carry out what it says."""
-        return await self._carry(self.host.feed(event))
 
     # -- capabilities (for tests and tools; the core checks them) ---------------------------------------------
     def check_cap(self, c: P.Capability | None, rid: int, nonce: int, pages: list[int] = ()) -> None:

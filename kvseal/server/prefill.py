@@ -1,8 +1,9 @@
 """The prefill worker's HTTP adapter: admit → prefill → write the leased pages → commit → release.
 
 The rules (admission before any allocation, no placeholder path, a forgotten lease never written, deferred
-release, WriterDone after a refused commit) live in ``kvseal.protocol.prefill.PrefillCore``; this module feeds it
-(under one lock, from the event loop and the engine thread) and carries out its actions. The engine thread runs
+release, WriterDone after a refused commit) live in ``kvseal.protocol.prefill.PrefillCore``, and its actions are
+carried out by ``kvseal.protocol.prefill_host.PrefillHost`` (the code the simulator runs too); this module feeds the
+host from the event loop and the engine thread and implements its ports (``EnginePorts``). The engine thread runs
 the prefill, samples the first token and writes the KV into the decode pool (``handoff``); the commit travels on
 the event loop.
 """

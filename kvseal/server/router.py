@@ -8,7 +8,8 @@ happened in the API layer before any of this.
 
 Status follows truth: an error from any worker is returned with that worker's original status and code.
 The protocol rules (what a client that leaves undoes, what an unanswered prefill means, when a worker is
-skipped or fenced) are the machines of ``kvseal.protocol.router``; this module carries out their actions.
+skipped or fenced) are the machines of ``kvseal.protocol.router``; ``kvseal.protocol.router_host`` carries out a
+request's actions through this module's ports (``HttpPorts``), the same host the simulator runs.
 """
 
 from __future__ import annotations
