@@ -182,6 +182,7 @@ def main() -> None:
         if not r["killed"]:
             print(f"  survivor: {r['name']}: {r['survives'] or 'NOT EXPLAINED'}")
     if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"killed": killed, "total": len(results), "mutants": results}, indent=1))
     sys.exit(0 if all(r["killed"] or r["survives"] for r in results) else 1)
 
