@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["tests/test_protocol_models.py -k 'copy_of_a_prefill or name_the_lease or another_lease_of or not_declare or reported_done_only'",
+CORE_TESTS = "copy_of_a_prefill or name_the_lease or another_lease_of or not_declare or reported_done_only"
+FAST = [f"tests/test_protocol_models.py -k '{CORE_TESTS}'",
         "tests/test_hosts.py", "tests/test_auth.py", "tests/test_protections.py"]
 
 

@@ -48,15 +48,16 @@ def test_without_confirmation_a_fenced_prefill_comes_back_at_once():
 
 
 def test_the_router_fences_an_unreachable_decode_until_it_answers():
-    """The router's adapter: d2 is unreachable when the fence goes out (and was healthy: the old code tried only
-    healthy decodes, once). It is asked again at each probe; the prefill stays out until d2 confirmed."""
+    """The router's adapter: d2 is unreachable (probes and fence alike) when the fence goes out; the old code
+    fenced only the decodes it believed healthy, once. d2 is asked at each probe, and the prefill stays out of
+    service until d2 confirmed."""
     prefill_up, d2_reachable = [False], [False]
     fences: list[str] = []
 
     def handle(req: httpx.Request) -> httpx.Response:
         host = req.url.host
         if req.url.path == "/health":
-            if host == "p" and not prefill_up[0]:
+            if (host == "p" and not prefill_up[0]) or (host == "d2" and not d2_reachable[0]):
                 raise httpx.ConnectError("refused")
             return httpx.Response(200, json={"status": "ok", "context_window": 64, "pool_tokens": 64})
         if req.url.path == "/kv/fence":
@@ -67,11 +68,13 @@ def test_the_router_fences_an_unreachable_decode_until_it_answers():
         return httpx.Response(404)
 
     async def run() -> None:
-        r = DisaggBackend(["http://p"], ["http://d1", "http://d2"], "m", http={"transport": httpx.MockTransport(handle)})
+        r = DisaggBackend(["http://p"], ["http://d1", "http://d2"], "m",
+                          http={"transport": httpx.MockTransport(handle)})
         p = r.prefills[0]
         for _ in range(3):
             await r.refresh()
         assert p.health.state is rc.HealthState.FENCED and sorted(fences) == ["d1", "d2"]
+        assert not r.decodes[1].healthy  # unreachable: the old code would never have tried it
         prefill_up[0] = True
         await r.refresh()
         assert not p.healthy, "the prefill came back while d2 never moved its epoch"

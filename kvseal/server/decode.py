@@ -4,8 +4,8 @@ The lease rules (coverage, tags, checksum, capabilities and epochs, quarantine u
 expiry, fencing, a router gone) live in ``kvseal.protocol.decode.DecodeCore``, and its actions are carried out
 by ``kvseal.protocol.decode_host.DecodeHost`` (the code the simulator runs too). This module parses messages,
 feeds the host and implements its ports (``EnginePorts``): pool changes on the engine thread, replies, stream
-events and Forget requests on the event loop. What is only this service's: waiting boundedly for pages (a pool that has
-none to spare *now*), the per-router token streams and their bounds.
+events and Forget requests on the event loop. What is only this service's: waiting boundedly for pages (a pool
+that has none to spare *now*), the per-router token streams and their bounds.
 
 Tokens go back multiplexed: each router holds one stream (``/streams/{subscriber}``) and gets one line per
 engine step with every event of its requests, so the per-token cost of the extra hop is paid once per step.

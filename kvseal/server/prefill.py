@@ -51,7 +51,8 @@ class EnginePorts:
         self.svc.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.svc._commit(rid, *commit)))
 
     def writer_done(self, rid: int, nonce: int) -> None:
-        p, _ = self.svc.pending.get(rid, (None, None))  # now: the request's Settle comes next and ends it
+        # look the request up now: the Settle that follows in the same pass ends it and drops its entry
+        p, _ = self.svc.pending.get(rid, (None, None))
         if p is not None and p.lease.nonce == nonce:
             self.svc._spawn(self.svc._writer_done(p))
 

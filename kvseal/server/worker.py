@@ -82,7 +82,8 @@ def serve_router(a: argparse.Namespace) -> None:
     served = front(a, tokenizer)
     _, http = cluster_auth(a, "router", f"router@{a.host}:{a.port}")
     backend = DisaggBackend(a.prefill, a.decode, served.names[0], timeout=a.timeout,
-                            protections=Protections.from_args(a), faults=Faults.from_env(), probe_timeout=a.probe_timeout, max_inflight=a.max_inflight,
+                            protections=Protections.from_args(a), faults=Faults.from_env(),
+                            probe_timeout=a.probe_timeout, max_inflight=a.max_inflight,
                             queue_timeout=a.queue_timeout, http=http)
     metrics = Metrics(per_tenant=a.per_tenant_metrics)
     metrics.add_source(backend.metric_rows)

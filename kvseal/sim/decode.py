@@ -69,8 +69,8 @@ class DecodeNode(Node):
             run = self.pool.allocate(r.rid, need, PageState.RESERVED, tenant_tag(r.tenant))
             serial = self.w.next_serial()
             try:
-                cap, acts = self.host.reserved(r, "router", run, Ctx(req, serial, router_inc, self.w.now + self.w.k.ttl),
-                                               self.w.rng.getrandbits(62), self.w.now)
+                ctx = Ctx(req, serial, router_inc, self.w.now + self.w.k.ttl)
+                cap, acts = self.host.reserved(r, "router", run, ctx, self.w.rng.getrandbits(62), self.w.now)
             except EngineError as e:
                 reply(e)
                 return

@@ -49,7 +49,8 @@ class PrefillNode(Node):
         except EngineError as e:
             reply(e)
             return
-        self.w.log(f"{self.name} admits rid {msg.rid} serial {serial}{' as a placeholder' if acts and acts[0].placeholder else ''}")
+        stand_in = " as a placeholder" if acts and acts[0].placeholder else ""
+        self.w.log(f"{self.name} admits rid {msg.rid} serial {serial}{stand_in}")
         if not acts:  # a duplicate of a transfer in progress: the original answers
             return
         job = Job(msg, serial, req, reply)
