@@ -104,7 +104,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"{args[0]} did not become healthy:\n{self.proc.stdout.read()[-3000:]}")
 

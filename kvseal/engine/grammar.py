@@ -13,8 +13,6 @@ import json
 import threading
 
 import llguidance
-import llguidance.hf
-import llguidance.torch as llt
 import torch
 
 from kvseal.errors import BadRequest
@@ -54,7 +52,10 @@ class Grammars:
     def matcher(self, grammar: str, replay: list[int]) -> llguidance.LLMatcher:
         with self._lock:
             if self._tok is None:
-                self._tok = llguidance.hf.from_tokenizer(self.hf, n_vocab=self.vocab_size)
+                # imported here: it imports transformers, which a worker need not load to serve plain text
+                from llguidance.hf import from_tokenizer
+
+                self._tok = from_tokenizer(self.hf, n_vocab=self.vocab_size)
         m = llguidance.LLMatcher(self._tok, grammar)
         for t in replay:
             m.consume_token(t)
@@ -69,9 +70,11 @@ def mask_row(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
     llguidance fills a bitmask (bit t of word t // 32: token t allowed); the bits are unpacked here with eager
     PyTorch ops, not with ``llguidance.torch.apply_token_bitmask_inplace``: that is a ``torch.compile`` kernel,
     which needs a C++ compiler at run time (kvseal runs without one), and Inductor's cache hands a kernel built
-    under one ``ATEN_CPU_CAPABILITY`` to a process under another (seen here: wrong masks, then a corrupted heap)."""
+    under one ``ATEN_CPU_CAPABILITY`` to a process under another (seen here: wrong masks, then a corrupted heap).
+    Importing ``llguidance.torch`` at all costs ~2 s of every process start (it loads Dynamo and Inductor), so
+    the bitmask is filled here through the matcher's own call."""
     n = row.numel()
-    bits = llt.allocate_token_bitmask(1, n)
-    llt.fill_next_token_bitmask(matcher, bits, 0)
-    allowed = ((bits[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)[:n].bool()
+    bits = torch.full(((n + 31) // 32,), -1, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
+    allowed = ((bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)[:n].bool()
     row.masked_fill_(~allowed, float("-inf"))
