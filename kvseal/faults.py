@@ -2,7 +2,9 @@
 
 ``KVSEAL_FAULTS="name[=probability],…"`` (probability defaults to 1), ``KVSEAL_FAULT_SEED=N``,
 ``KVSEAL_FAULT_DELAY=seconds`` (for the ``delay_*`` points, default 2). When off, a fault point costs one
-dict lookup. Points, by where they fire and in protocol order:
+dict lookup. ``KVSEAL_FAULTS=armable`` starts a worker with no fault and lets a signed ``POST /faults``
+(router role) set them later, so that tests run many faults on one cluster; without ``armable`` that route
+answers 404. Points, by where they fire and in protocol order:
 
 prefill
 - ``legacy_placeholder``: the 2026 bug. An over-long prompt is swapped for a 1-token placeholder, one page
@@ -37,19 +39,33 @@ WORKER_POINTS = ("slow_health",)  # prefill: while it has work in flight, /healt
 ROUTER_POINTS = ("crash_after_reserve",)
 POINTS = PREFILL_POINTS + DECODE_POINTS + WORKER_POINTS + ROUTER_POINTS
 CRASH_EXIT = 17  # the exit status of a worker killed by a crash_* point
+ARMABLE = "armable"  # in KVSEAL_FAULTS: the faults may be set again at run time (``Faults.arm``)
 
 
 class Faults:
     def __init__(self, spec: str = "", seed: int = 0, delay: float = 2.0) -> None:
-        self.probs: dict[str, float] = {}
+        self.armable = False
+        self._set(spec, seed, delay)
+
+    def _set(self, spec: str, seed: int, delay: float) -> None:
+        probs: dict[str, float] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             name, _, p = item.partition("=")
+            if name == ARMABLE:
+                self.armable = True
+                continue
             if name not in POINTS:
                 raise ValueError(f"unknown fault point {name!r}; known: {', '.join(POINTS)}")
-            self.probs[name] = float(p) if p else 1.0
-        self.rng = random.Random(seed)
-        self.delay = delay
+            probs[name] = float(p) if p else 1.0
+        self.probs, self.rng, self.delay = probs, random.Random(seed), delay
         self.fired: dict[str, int] = {}
+
+    def arm(self, spec: str, seed: int = 0, delay: float = 2.0) -> None:
+        """Replace the fault points (``""``: none), as if the process had started with them. Only in a process
+        started with ``armable``: a serving cluster's faults are fixed at start."""
+        if not self.armable:
+            raise PermissionError("this process was not started with KVSEAL_FAULTS=armable")
+        self._set(spec, seed, delay)
 
     @classmethod
     def from_env(cls) -> Faults:

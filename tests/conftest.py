@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
 import ssl
@@ -184,6 +185,23 @@ class Trio:
 
     def __enter__(self) -> Self:
         return self
+
+    def arm(self, faults: str = "", delay: float = 2.0) -> None:
+        """Set both workers' fault points (they started with ``KVSEAL_FAULTS=armable``; "" disarms)."""
+        for s in (self.pre, self.dec):
+            body = json.dumps({"faults": faults, "delay": delay}).encode()
+            r = signed("POST", s.url + "/faults", body=body)
+            assert r.status_code == 200, r.text
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Every worker back in the router's service (a fence after a fault clears at the next probes)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            workers = httpx.get(self.url + "/health", timeout=10).json().get("workers", {})
+            if workers and all(workers.values()):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"workers not back in service: {workers}")
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

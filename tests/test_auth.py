@@ -19,9 +19,11 @@ from conftest import MODEL, Trio, complete, signed, wait_pages_back
 
 from kvseal.config import EngineConfig, PoolConfig
 from kvseal.engine.engine import Engine
+from kvseal.faults import Faults
 from kvseal.server.decode import DecodeService, decode_app
 from kvseal.server.guard import Guard
 from kvseal.server.prefill import PrefillService, prefill_app
+from kvseal.server.worker import fault_route
 from kvseal.transfer import messages as P
 from kvseal.transfer.auth import ClusterSecret, Signer, Verifier, roles_for, write_secret_file
 
@@ -37,7 +39,16 @@ ROUTE_CALLS = {  # every internal route: (app, method, path, a role allowed ther
     "forget": ("prefill", "POST", "/kv/forget", "decode"),
     "pages_decode": ("decode", "GET", "/pages", "router"),  # every page's tenant tag: the admin's dashboard
     "pages_prefill": ("prefill", "GET", "/pages", "router"),
+    "faults_decode": ("decode", "POST", "/faults", "router"),  # fault injection (KVSEAL_FAULTS=armable only)
+    "faults_prefill": ("prefill", "POST", "/faults", "router"),
 }
+
+
+def worker_app(svc: DecodeService | PrefillService) -> object:
+    """The app a worker process serves (``serve_worker``): the service's routes and the fault route."""
+    app = decode_app(svc) if isinstance(svc, DecodeService) else prefill_app(svc)
+    fault_route(app, svc.faults)
+    return app
 
 
 def services() -> tuple[DecodeService, PrefillService]:
@@ -70,8 +81,8 @@ def sign(role: str, method: str, path: str, body: bytes, **kw) -> dict:
 
 async def sweep(verifier: Verifier | None) -> dict[str, dict[str, int]]:
     dec, pre = services()
-    apps = {"decode": Guard(decode_app(dec), verifier, max_body=4096),
-            "prefill": Guard(prefill_app(pre), verifier, max_body=4096)}
+    apps = {"decode": Guard(worker_app(dec), verifier, max_body=4096),
+            "prefill": Guard(worker_app(pre), verifier, max_body=4096)}
     out = {}
     try:
         for name, (app, method, path, role) in ROUTE_CALLS.items():
@@ -105,6 +116,26 @@ def test_every_internal_route_refuses_unsigned_wrong_role_tampered_replayed_stal
 def test_without_the_verifier_every_door_is_open():
     res = asyncio.run(sweep(None))
     assert all(codes["unsigned"] not in (401, 403) for codes in res.values()), res
+
+
+def test_faults_are_set_at_run_time_only_in_a_worker_started_armable():
+    dec, pre = services()
+    try:
+        dec.faults = Faults("armable")
+        armable, fixed = Guard(worker_app(dec), Verifier(SECRET)), Guard(worker_app(pre), Verifier(SECRET))
+
+        def arm(app, body: bytes) -> httpx.Response:
+            return asyncio.run(call(app, "POST", "/faults", body, sign("router", "POST", "/faults", body)))
+
+        assert arm(fixed, b'{"faults": "drop_commit"}').status_code == 404 and not pre.faults.probs
+        assert arm(armable, b'{"faults": "no_such_point"}').status_code == 400
+        assert arm(armable, b'[1]').status_code == 400
+        r = arm(armable, b'{"faults": "delay_reserve", "delay": 0.5}')
+        assert r.status_code == 200 and dec.faults.fire("delay_reserve") and dec.faults.delay == 0.5
+        assert arm(armable, b'{"faults": ""}').status_code == 200 and not dec.faults.fire("delay_reserve")
+    finally:
+        dec.engine.stop()
+        pre.engine.stop()
 
 
 def test_rotation_accepts_the_previous_secret_and_refuses_a_retired_one():

@@ -2,9 +2,14 @@
 
 Each fault ends the request exactly once with the right status, and every surviving pool gets all its pages
 back. Where a protection stands against the fault, the same run with that protection off shows the damage.
+
+The faults that leave every process running share one cluster per set of protections (its workers start
+with ``KVSEAL_FAULTS=armable``; each test arms its own fault and starts on an idle, whole cluster, every
+worker in service). A fault that kills a process, and a run that leaks pages by design, gets its own.
 """
 
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -14,6 +19,45 @@ from kvseal.faults import CRASH_EXIT, DECODE_POINTS
 
 PROMPT = "The capital of France is"
 POOL = ["--kv-pool-tokens", "8192"]
+ARMABLE = {"KVSEAL_FAULTS": "armable"}
+
+
+@pytest.fixture(scope="module")
+def hardened():
+    with Trio(POOL, ["--timeout", "10"], env=ARMABLE) as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
+def no_checksum():
+    unsafe = ["--unsafe-no-checksum"]
+    with Trio([*POOL, *unsafe], unsafe, env={**ARMABLE, "KVSEAL_UNSAFE": "1"}) as t:
+        yield t
+
+
+@contextmanager
+def armed(t: Trio, fault: str, delay: float = 2.0):
+    """``t`` idle and whole, every worker in service, with ``fault`` armed on both workers until the end."""
+    t.wait_ready()
+    wait_pages_back(t.pre)
+    wait_pages_back(t.dec)
+    t.arm(fault, delay)
+    try:
+        yield t
+    finally:
+        t.arm("")
+
+
+@contextmanager
+def cluster(request, fault: str, shared: str, env: dict | None = None, delay: float = 2.0, **own):
+    """The module's ``shared`` cluster armed with ``fault``; or, with ``own`` Trio arguments, a cluster of
+    the test's own started with the fault (``env``)."""
+    if own:
+        with Trio(**own, env={"KVSEAL_FAULTS": fault, "KVSEAL_FAULT_DELAY": str(delay), **(env or {})}) as t:
+            yield t
+    else:
+        with armed(request.getfixturevalue(shared), fault, delay) as t:
+            yield t
 
 
 @pytest.mark.parametrize("fault,status", [
@@ -26,8 +70,9 @@ POOL = ["--kv-pool-tokens", "8192"]
     ("crash_at_reserve", 503),  # decode dies before it leased anything
     ("crash_at_commit", 503),  # decode dies holding the lease: prefill frees its own pages
 ])
-def test_protocol_faults_end_cleanly(fault, status):
-    with Trio(POOL, ["--timeout", "10"], env={"KVSEAL_FAULTS": fault}) as t:
+def test_protocol_faults_end_cleanly(request, fault, status):
+    own = {"worker": POOL, "router": ["--timeout", "10"]} if fault.startswith("crash") else {}
+    with cluster(request, fault, "hardened", **own) as t:
         r = complete(t.url, PROMPT)
         assert r.status_code == status, r.text
         if status == 200:
@@ -42,11 +87,9 @@ def test_protocol_faults_end_cleanly(fault, status):
 
 @pytest.mark.parametrize("fault", ["corrupt_page_write", "skip_page_write", "reorder_commit", "corrupt_commit"])
 @pytest.mark.parametrize("checksum", [True, False], ids=["checksum", "unsafe"])
-def test_checksum_catches_bad_bytes_and_bad_messages(fault, checksum, colocated):
+def test_checksum_catches_bad_bytes_and_bad_messages(request, fault, checksum, colocated):
     """Pages corrupted, never written, written after the commit; a commit corrupted on the way."""
-    unsafe = [] if checksum else ["--unsafe-no-checksum"]
-    env = {"KVSEAL_FAULTS": fault, "KVSEAL_UNSAFE": "0" if checksum else "1", "KVSEAL_FAULT_DELAY": "1"}
-    with Trio([*POOL, *unsafe], unsafe, env=env) as t:
+    with cluster(request, fault, "hardened" if checksum else "no_checksum", delay=1) as t:
         r = complete(t.url, PROMPT)
         if checksum:
             assert r.status_code == 500 and r.json()["error"]["code"] == "kv_integrity_error", r.text
@@ -70,12 +113,12 @@ def leave_early(url: str, after: float) -> None:
 
 
 @pytest.mark.parametrize("guard", [True, False], ids=["guard", "unsafe"])
-def test_client_leaving_during_reserve_never_leaks_the_lease(guard):
+def test_client_leaving_during_reserve_never_leaks_the_lease(request, guard):
     """Decode grants the lease 3 s late; the client left at 1 s. Guarded, the lease is handed back;
-    unguarded, the reservation is cut off mid-call and its pages stay reserved for nobody."""
-    unsafe = [] if guard else ["--unsafe-no-disconnect-guard"]
-    env = {"KVSEAL_FAULTS": "delay_reserve", "KVSEAL_FAULT_DELAY": "3", "KVSEAL_UNSAFE": "0" if guard else "1"}
-    with Trio([*POOL, *unsafe], unsafe, env=env) as t:
+    unguarded, the reservation is cut off mid-call and its pages stay reserved for nobody (its own cluster)."""
+    unsafe = ["--unsafe-no-disconnect-guard"]
+    own = {} if guard else {"worker": [*POOL, *unsafe], "router": unsafe}
+    with cluster(request, "delay_reserve", "hardened", {"KVSEAL_UNSAFE": "1"}, delay=3, **own) as t:
         leave_early(t.url, after=1.0)
         if guard:
             wait_pages_back(t.dec, timeout=20)
@@ -86,13 +129,13 @@ def test_client_leaving_during_reserve_never_leaks_the_lease(guard):
 
 
 @pytest.mark.parametrize("guard", [True, False], ids=["guard", "unsafe"])
-def test_client_leaving_mid_transfer_never_frees_pages_under_a_live_writer(guard):
+def test_client_leaving_mid_transfer_never_frees_pages_under_a_live_writer(request, guard):
     """Prefill writes the pages 3 s late; the client left at 0.6 s. Guarded, decode holds the lease until
     the write and commit have landed, then stops and frees it; unguarded (the 2026 load balancer), decode
     is told the writer is gone and frees the pages while prefill is still about to write into them."""
-    unsafe = [] if guard else ["--unsafe-no-disconnect-guard"]
-    env = {"KVSEAL_FAULTS": "delay_page_write", "KVSEAL_FAULT_DELAY": "3", "KVSEAL_UNSAFE": "0" if guard else "1"}
-    with Trio([*POOL, *unsafe], unsafe, env=env) as t:
+    unsafe = ["--unsafe-no-disconnect-guard"]
+    own = {} if guard else {"worker": [*POOL, *unsafe], "router": unsafe}
+    with cluster(request, "delay_page_write", "hardened", {"KVSEAL_UNSAFE": "1"}, delay=3, **own) as t:
         t0 = time.time()
         leave_early(t.url, after=0.6)
         time.sleep(max(0.0, 1.6 - (time.time() - t0)))

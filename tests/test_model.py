@@ -20,11 +20,22 @@ N = 32
 EOS = (2,)  # <|im_end|>; both sides stop there, inclusive
 
 
-def hf_greedy(lm, dtype, prompts, margins=False):
+def hf_model(lm, dtype):
+    """Hugging Face's own model from the same GGUF file (~12 s here: transformers converts the GGUF's
+    tokenizer too)."""
     from transformers import AutoModelForCausalLM
 
+    return off_main_thread(lambda: AutoModelForCausalLM.from_pretrained(str(lm.path.parent), gguf_file=lm.path.name,
+                                                                        dtype=dtype))
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(fp32_model):
+    return hf_model(fp32_model, torch.float32)
+
+
+def hf_greedy(hf, prompts, margins=False):
     def run():
-        hf = AutoModelForCausalLM.from_pretrained(str(lm.path.parent), gguf_file=lm.path.name, dtype=dtype)
         outs = []
         for ids in prompts:
             x = torch.tensor([ids])  # explicit mask: the prompt contains the pad id (<|im_end|>)
@@ -43,8 +54,8 @@ def fp32_prompts(fp32_model):
     return [chat_ids(fp32_model, p) for p in PROMPTS]
 
 
-def test_greedy_matches_transformers_fp32(fp32_model, fp32_prompts):
-    ref = hf_greedy(fp32_model, torch.float32, fp32_prompts)
+def test_greedy_matches_transformers_fp32(fp32_model, fp32_prompts, hf_fp32):
+    ref = hf_greedy(hf_fp32, fp32_prompts)
     engine = make_engine(fp32_model)
     try:
         ours = generate(engine, fp32_prompts, N, eos=EOS)
@@ -59,7 +70,7 @@ def test_greedy_matches_transformers_bf16(bf16_model):
     """Same dtype as HF. bf16 rounding differs between any two implementations, so tokens are compared up
     to the first step where HF's own top-2 logit gap is a near tie (< 0.25); most prompts must have none."""
     prompts = [chat_ids(bf16_model, p) for p in PROMPTS]
-    ref = hf_greedy(bf16_model, torch.bfloat16, prompts, margins=True)
+    ref = hf_greedy(hf_model(bf16_model, torch.bfloat16), prompts, margins=True)
     engine = make_engine(bf16_model, dtype="bf16")
     try:
         ours = generate(engine, prompts, N, eos=EOS)
@@ -148,10 +159,8 @@ def test_an_engine_waiting_for_pages_sleeps_instead_of_spinning(fp32_model):
         engine.stop()
 
 
-def test_logprobs_match_transformers_fp32(fp32_model, fp32_prompts):
+def test_logprobs_match_transformers_fp32(fp32_model, fp32_prompts, hf_fp32):
     """The logprobs a greedy request returns are Hugging Face's fp32 log-softmax, top-k in the same order."""
-    from transformers import AutoModelForCausalLM
-
     from kvseal.engine.sampling import SamplingParams
     from kvseal.engine.sequence import Sequence
 
@@ -168,11 +177,9 @@ def test_logprobs_match_transformers_fp32(fp32_model, fp32_prompts):
     ours = [lp for ev in events for lp in ev.logprobs]
 
     def ref():
-        hf = AutoModelForCausalLM.from_pretrained(str(fp32_model.path.parent), gguf_file=fp32_model.path.name,
-                                                  dtype=torch.float32)
         x = torch.tensor([ids + [lp.token for lp in ours[:-1]]])
         with torch.no_grad():
-            return torch.log_softmax(hf(x, attention_mask=torch.ones_like(x)).logits[0, len(ids) - 1:], -1)
+            return torch.log_softmax(hf_fp32(x, attention_mask=torch.ones_like(x)).logits[0, len(ids) - 1:], -1)
 
     theirs = off_main_thread(ref)
     assert len(ours) == 8

@@ -9,6 +9,8 @@ import secrets
 from contextlib import asynccontextmanager
 
 import uvicorn
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec, build_engine
@@ -23,6 +25,7 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
     verifier, http = auth
     scheme = "https" if tls[0] else "http"
     metrics = Metrics()
+    faults = Faults.from_env()
     if role == "decode":
         from kvseal.server.decode import DecodeService, decode_app
 
@@ -30,7 +33,7 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         engine, lm, sizing = build_engine(spec, role="decode", storage=pool.create, metrics=metrics)
         target = str(pool.path) if transport == "shm" else pool.target
         app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}",
-                                       Faults.from_env(), lease_ttl, http=http,
+                                       faults, lease_ttl, http=http,
                                        exposure=pool if transport == "mooncake" else None))
         # uvicorn re-raises SIGTERM after its shutdown, so a ``finally`` after ``run`` never runs: the pool file
         # goes in the app's own shutdown (a SIGKILL still leaves it; the next decode's sweep removes it)
@@ -40,7 +43,8 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
 
         engine, lm, sizing = build_engine(spec, role="prefill", metrics=metrics)
         app = prefill_app(PrefillService(engine, _writer(transport, host, mooncake), f"{scheme}://{host}:{port}",
-                                         Faults.from_env(), http=http))
+                                         faults, http=http))
+    fault_route(app, faults)
     print(f"{role} worker on {host}:{port}{'' if verifier else ' (INSECURE: no request signing)'}\n"
           f"{sizing.table()}", flush=True)
     try:
@@ -50,6 +54,21 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
     finally:
         if role == "decode":
             pool.close()
+
+
+def fault_route(app: object, faults: Faults) -> None:
+    """``POST /faults {"faults": "name,…", "seed": n, "delay": s}``: set this worker's fault points (router role,
+    signed; 404 unless the worker started with ``KVSEAL_FAULTS=armable``, kvseal.faults)."""
+    @app.post("/faults")
+    async def arm(request: Request) -> JSONResponse:
+        if not faults.armable:
+            return JSONResponse({"error": {"message": "Not Found", "code": "not_found"}}, status_code=404)
+        try:
+            body = await request.json()
+            faults.arm(str(body.get("faults", "")), int(body.get("seed", 0)), float(body.get("delay", 2.0)))
+        except (ValueError, TypeError, AttributeError) as e:  # not JSON, not an object, an unknown point
+            return JSONResponse({"error": {"message": str(e), "code": "bad_request"}}, status_code=400)
+        return JSONResponse({"faults": faults.probs, "delay": faults.delay})
 
 
 def _decode_pool(transport: str, host: str, port: int, mooncake: object) -> object:

@@ -55,6 +55,7 @@ ROUTES: dict[str, frozenset[str]] = {
     "/health": frozenset(ROLES),
     "/metrics": frozenset(ROLES),
     "/pages": frozenset({"router"}),  # every page's state and tenant tag: the admin's dashboard
+    "/faults": frozenset({"router"}),  # fault injection, only in a worker started with KVSEAL_FAULTS=armable
 }
 OPEN = frozenset({"/health", "/metrics"})
 
