@@ -96,3 +96,33 @@ def test_a_real_prometheus_scrapes_every_process(disagg, tmp_path):
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_a_scrape_storm_renders_at_most_ten_pages_a_second_and_a_scrape_is_fresh_otherwise():
+    import asyncio
+    import time
+
+    from kvseal.server.metrics import RENDERS_PER_S, Metrics, ScrapeDoor
+
+    m, renders = Metrics(), []
+    m.add_source(lambda: renders.append(1) or [("kvseal_probe", "gauge", "renders", None, len(renders))])
+
+    async def app(scope, receive, send):  # everything but a scrape reaches the app
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def get(path: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=ScrapeDoor(app, m))
+        async with httpx.AsyncClient(transport=transport, base_url="http://m") as c:
+            return await c.get(path)
+
+    m.generation_tokens.inc(3)
+    assert "kvseal_generation_tokens_total 3.0" in asyncio.run(get("/metrics")).text  # rendered for this scrape
+    m.generation_tokens.inc(1)
+    assert "kvseal_generation_tokens_total 4.0" in asyncio.run(get("/metrics")).text  # and again: never stale
+    assert asyncio.run(get("/v1/models")).status_code == 204
+    t0 = time.monotonic()
+    pages = [asyncio.run(get("/metrics")) for _ in range(100)]
+    took = time.monotonic() - t0
+    assert all(p.status_code == 200 and p.headers["content-type"].startswith("text/plain") for p in pages)
+    assert len(renders) <= RENDERS_PER_S * (2 + int(took)), f"{len(renders)} renders for 102 scrapes in {took:.2f} s"

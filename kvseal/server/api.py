@@ -94,6 +94,7 @@ async def parse(request: Request, model: type[T]) -> T:
 def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: Tenants | None = None,
                served: Served | None = None) -> FastAPI:
     app = FastAPI(title="kvseal")
+    app.state.metrics = metrics  # the server's ScrapeDoor answers /metrics in front of the app
     tenants = tenants or Tenants()
     served = served or Served([backend.model_name], backend.model_name)
     print(tenants.describe(), flush=True)
@@ -122,7 +123,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     async def prom(request: Request) -> Response:
         if metrics.per_tenant:  # tenant names and their cache hits: the admin's to read (--per-tenant-metrics)
             tenants.authenticate_admin(request.headers.get("authorization"))
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.page(), media_type="text/plain; version=0.0.4")
 
     @app.get("/dashboard")
     async def dashboard() -> Response:

@@ -11,7 +11,7 @@ from kvseal.engine.build import WorkerSpec, build_engine
 from kvseal.server.api import create_app
 from kvseal.server.backend import EngineBackend
 from kvseal.server.guard import FRONT_MAX_BODY, Guard
-from kvseal.server.metrics import Metrics
+from kvseal.server.metrics import Metrics, ScrapeDoor
 from kvseal.server.served import front
 from kvseal.server.tenants import Tenants
 
@@ -30,4 +30,5 @@ def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None, keys_file
 def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str], keys_file: str | None = None,
           front_args: argparse.Namespace | None = None) -> None:
     app, _ = colocated_app(spec, api_keys, keys_file, front_args)
-    uvicorn.run(Guard(app, None, FRONT_MAX_BODY), host=host, port=port, log_level="warning")
+    uvicorn.run(ScrapeDoor(Guard(app, None, FRONT_MAX_BODY), app.state.metrics), host=host, port=port,
+                log_level="warning")

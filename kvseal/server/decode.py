@@ -422,7 +422,7 @@ def decode_app(svc: DecodeService) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(svc.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(svc.engine.metrics.page(), media_type="text/plain; version=0.0.4")
 
     @app.get("/pages")
     async def pages() -> JSONResponse:

@@ -7,16 +7,23 @@ prefix with vLLM's meaning: ``kvseal:num_requests_waiting``, ``kvseal:num_reques
 count as free, since allocation evicts them). An engine process reads them from its engine; the router
 counts requests in its hands and reports the fullest decode pool it last probed. Sources (``add_source``) are
 read at scrape time; nothing runs between scrapes.
+
+A scrape is answered before the app (``ScrapeDoor``: no routing, no middleware). Each scrape gets a page
+rendered for it, up to ``RENDERS_PER_S`` in any second; past that (a scrape storm) the last page is served
+again, so a storm costs an HTTP exchange per scrape, not a render (bench/scrape.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+RENDERS_PER_S = 10  # fresh pages a second; Prometheus scrapes each target every few seconds
 MAX_TENANT_LABELS = 64  # tenants come from the key file; past this many, the rest share the label "other"
 
 
@@ -56,6 +63,8 @@ class Metrics:
                                           "(checksum and tag verification included)", buckets=LATENCY_BUCKETS,
                                           registry=r)
         self._pool_counts = pool_counts
+        self._page = b""
+        self._renders: deque[float] = deque(maxlen=RENDERS_PER_S)
         self._sources: list[Callable[[], list[tuple]]] = []
         r.register(_Sources(self._sources))
 
@@ -87,6 +96,36 @@ class Metrics:
             for state, n in counts.items():
                 self.pool_pages.labels(state).set(n)
         return generate_latest(self.registry)
+
+    def page(self) -> bytes:
+        """A page rendered now; past ``RENDERS_PER_S`` renders in the last second, the last one."""
+        now = time.monotonic()
+        r = self._renders
+        if len(r) < r.maxlen or now - r[0] >= 1.0 or not self._page:
+            self._page = self.render()
+            r.append(now)
+        return self._page
+
+
+class ScrapeDoor:
+    """``GET /metrics`` answered in front of ``app`` from ``Metrics.page``. With per-tenant series on, the
+    scrape goes through the app, which asks for the admin key first."""
+
+    CONTENT_TYPE = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
+
+    def __init__(self, app: Callable, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if (scope["type"] != "http" or scope["path"] != "/metrics" or scope["method"] != "GET"
+                or self.metrics.per_tenant):
+            return await self.app(scope, receive, send)
+        body = self.metrics.page()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [self.CONTENT_TYPE, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+        return None
 
 
 class _Sources:

@@ -273,7 +273,7 @@ def prefill_app(svc: PrefillService) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(svc.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(svc.engine.metrics.page(), media_type="text/plain; version=0.0.4")
 
     @app.get("/pages")
     async def pages() -> JSONResponse:

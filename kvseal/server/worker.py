@@ -16,7 +16,7 @@ from kvseal.config import Protections
 from kvseal.engine.build import WorkerSpec, build_engine
 from kvseal.faults import Faults
 from kvseal.server.guard import FRONT_MAX_BODY, Guard
-from kvseal.server.metrics import Metrics
+from kvseal.server.metrics import Metrics, ScrapeDoor
 from kvseal.transfer.auth import cluster_auth
 
 
@@ -49,8 +49,8 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
           f"{sizing.table()}", flush=True)
     try:
         # a router's token stream never ends by itself: bound the graceful shutdown so SIGTERM ends the worker
-        uvicorn.run(Guard(app, verifier), host=host, port=port, log_level="warning", ssl_certfile=tls[0],
-                    ssl_keyfile=tls[1], timeout_graceful_shutdown=3)
+        uvicorn.run(ScrapeDoor(Guard(app, verifier), metrics), host=host, port=port, log_level="warning",
+                    ssl_certfile=tls[0], ssl_keyfile=tls[1], timeout_graceful_shutdown=3)
     finally:
         if role == "decode":
             pool.close()
@@ -116,6 +116,6 @@ def serve_router(a: argparse.Namespace) -> None:
         task.cancel()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(Guard(app, None, FRONT_MAX_BODY), host=a.host, port=a.port, log_level="warning",
+    uvicorn.run(ScrapeDoor(Guard(app, None, FRONT_MAX_BODY), metrics), host=a.host, port=a.port, log_level="warning",
                 ssl_certfile=a.ssl_certfile,
                 ssl_keyfile=a.ssl_keyfile)
