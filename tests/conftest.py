@@ -92,6 +92,9 @@ class Server:
         self.worker = args[0] in ("prefill", "decode")
         if args[0] in ("prefill", "decode", "router") and not {"--cluster-secret-file", "--insecure-no-auth"} & set(args):
             args = [*args, "--cluster-secret-file", cluster_secret()]
+        if args[0] in ("prefill", "decode", "serve") and not {"--kv-pool-tokens", "--kv-memory"} & set(args):
+            # a third of the default pool: faulting 1.5 GiB in costs 1-3 s of a start when two workers start at once
+            args = [*args, "--kv-memory", "0.5"]
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", *args, "--port", str(self.port)],
                                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -126,6 +126,21 @@ def test_load_cache_gives_the_same_model(tmp_path, monkeypatch):
     assert chat_ids(parsed, text) == chat_ids(cached, text)
 
 
+def test_a_tokenizer_is_counted_as_transformers_counts_it_without_building_it(tmp_path):
+    """A worker checks the tokenizer fits the vocabulary from tokenizer.json alone (transformers' import is ~1 s
+    of every start); the count is the one transformers gives, added tokens included, and the tokenizer itself is
+    built on first use."""
+    from kvseal.model.loader import default_model_path, load, load_tokenizer, tokenizer_size
+
+    lm = off_main_thread(lambda: load(None, torch.bfloat16, progress=False))  # the load cache is written by now
+    assert lm._tok is None, "the tokenizer was built at load"
+    tok = load_tokenizer(default_model_path())
+    assert tokenizer_size(default_model_path()) == len(tok) == len(lm.tokenizer)
+    tok.add_tokens(["<kvseal_added>"], special_tokens=True)
+    tok.save_pretrained(str(tmp_path))
+    assert tokenizer_size(tmp_path) == len(tok) == len(load_tokenizer(tmp_path)) == 49153
+
+
 def test_an_engine_waiting_for_pages_sleeps_instead_of_spinning(fp32_model):
     """Its only request cannot have pages until others come back (a prefill worker awaiting decode's acks):
     the engine thread must sleep on its inbox, not spin a core that the other engine on this host needs."""

@@ -116,7 +116,7 @@ def test_the_grammar_mask_allows_exactly_the_bits_llguidance_sets(bf16_model):
         "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}})
     replay = bf16_model.tokenizer.encode('{"name":"A', add_special_tokens=False)
     for prefix in ([], replay):
-        m = Grammars(bf16_model.tokenizer, vocab).matcher(grammar, prefix)
+        m = Grammars(lambda: bf16_model.tokenizer, vocab).matcher(grammar, prefix)
         bits = llt.allocate_token_bitmask(1, vocab)
         llt.fill_next_token_bitmask(m, bits, 0)
         want = np.unpackbits(bits.numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)

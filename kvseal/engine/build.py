@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from kvseal.config import DTYPES, EngineConfig, PoolConfig, Protections
 from kvseal.engine.engine import Engine
 from kvseal.engine.grammar import Grammars
@@ -19,6 +21,12 @@ from kvseal.kv.preflight import Sizing, pool_tokens_for, preflight
 from kvseal.machine import facts, one_line
 from kvseal.model.cpu import resolve_dtype, resolve_weights
 from kvseal.model.loader import LoadedModel, load
+
+# A worker loads on one thread. Two workers of a host start together (``kvseal serve``), and two OpenMP teams
+# spinning on two cores stall each other: measured 2.2 s to a worker's pool alone, 7.2 s each for two at once
+# with two threads each, 2.4 and 4.2 s with one (Zen 4, 2 cores). One worker alone loads as fast either way:
+# reading the cache and faulting the pool in are bound by memory and the kernel, not by FLOPs.
+LOAD_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class WorkerSpec:
     shared_weights: str | None = None  # a file this host's workers share their packed weights through
 
 
-def off_main_thread(fn: Callable[[], object]) -> object:
+def off_main_thread(fn: Callable[[], object], threads: int = 0) -> object:
     """Run ``fn`` (model loading, weight packing: anything with large PyTorch ops) on a short-lived thread.
 
     Every thread that runs an OpenMP region keeps a team of worker threads. Once the main thread has one
@@ -54,10 +62,15 @@ def off_main_thread(fn: Callable[[], object]) -> object:
     box: dict = {}
 
     def run() -> None:
+        before = torch.get_num_threads()
         try:
+            if threads:
+                torch.set_num_threads(threads)
             box["v"] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised below
             box["e"] = e
+        finally:
+            torch.set_num_threads(before)
 
     t = threading.Thread(target=run, name="kvseal-load")
     t.start()
@@ -84,16 +97,17 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     dtype = DTYPES[dtype_name]
     lm = loaded or off_main_thread(lambda: load(spec.model, dtype, tokenizer=spec.tokenizer,
                                                  dummy=spec.load_format == "dummy", weights=weights, release=True,
-                                                 shared=spec.shared_weights))
+                                                 shared=spec.shared_weights), threads=LOAD_THREADS)
     m = lm.model.cfg
     if lm.model.weights_mode != weights:
-        off_main_thread(lambda: lm.model.use_weights(weights))
+        off_main_thread(lambda: lm.model.use_weights(weights), threads=LOAD_THREADS)
     tokens = spec.kv_pool_tokens or pool_tokens_for(m, dtype, int(spec.kv_memory_gib * 2**30), spec.page_size)
     sizing = preflight(m, dtype, tokens, spec.context, spec.allow_pool_below_context)
     pool_cfg = PoolConfig(num_pages=tokens // spec.page_size, page_size=spec.page_size,
                           scrub_on_free=spec.scrub_on_free)
     kv = storage(pool_cfg, m, dtype) if storage else None
-    pool = off_main_thread(lambda: PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv))
+    pool = off_main_thread(lambda: PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv),
+                           threads=LOAD_THREADS)
     cfg = EngineConfig(pool=pool_cfg, dtype=dtype_name, max_running=spec.max_running,
                        step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, prefix_cache=spec.prefix_cache, protections=spec.protections)
@@ -105,7 +119,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
         metrics.add_source(engine_source(engine))
     engine.machine = facts(spec.dtype, spec.weights, spec.threads)
     print(one_line(engine.machine), flush=True)
-    engine.grammars = Grammars(lm.tokenizer, m.vocab_size)
+    engine.grammars = Grammars(lambda: lm.tokenizer, m.vocab_size)
     if spec.share_cores:
         from kvseal.engine.cores import CoreLock
 

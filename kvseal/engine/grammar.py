@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 import llguidance
 import torch
@@ -41,9 +42,10 @@ def compile_response_format(fmt: dict | None) -> str | None:
 
 
 class Grammars:
-    """Builds matchers for one tokenizer; the llguidance tokenizer is made once, on first use."""
+    """Builds matchers for one tokenizer; ``tokenizer`` gives the transformers tokenizer, asked for (and the
+    llguidance tokenizer made from it) once, on the first request with a grammar."""
 
-    def __init__(self, tokenizer: object, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Callable[[], object], vocab_size: int) -> None:
         self.hf = tokenizer
         self.vocab_size = vocab_size
         self._tok: llguidance.LLTokenizer | None = None
@@ -55,7 +57,7 @@ class Grammars:
                 # imported here: it imports transformers, which a worker need not load to serve plain text
                 from llguidance.hf import from_tokenizer
 
-                self._tok = from_tokenizer(self.hf, n_vocab=self.vocab_size)
+                self._tok = from_tokenizer(self.hf(), n_vocab=self.vocab_size)
         m = llguidance.LLMatcher(self._tok, grammar)
         for t in replay:
             m.consume_token(t)

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 
 import torch
@@ -48,12 +48,21 @@ def default_model_path() -> Path:
     return found[0]
 
 
-@dataclass
 class LoadedModel:
-    model: LlamaModel
-    tokenizer: object  # a transformers tokenizer
-    name: str
-    path: Path
+    """A model and its tokenizer. The transformers tokenizer is built on first use: a worker that serves plain
+    text never needs it (the front door tokenizes), and importing transformers is ~1 s of every start."""
+
+    def __init__(self, model: LlamaModel, tokenizer: Path | object, name: str, path: Path) -> None:
+        self.model, self.name, self.path = model, name, path
+        self._tok, self._source = (None, tokenizer) if isinstance(tokenizer, Path) else (tokenizer, None)
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> object:
+        with self._lock:
+            if self._tok is None:
+                self._tok = load_tokenizer(self._source)
+            return self._tok
 
 
 def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True, tokenizer: str | Path | None = None,
@@ -67,26 +76,28 @@ def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True, tok
     if shared is not None:
         return _load_shared(p, Path(shared), dtype, progress, tokenizer, dummy, weights)
     cached = cache_dir(p) if p.is_file() else None
+    tok: Path | object = Path(tokenizer) if tokenizer else tokenizer_source(p)
     if dummy:
         cfg, raw = _shapes(p)
-        tok = load_tokenizer(Path(tokenizer) if tokenizer else p)
     elif cached is not None and (cached / DONE).exists():
-        cfg, raw, tok = _read_cache(cached)
+        cfg, raw = _read_cache(cached)
     elif p.is_file() and p.suffix == ".gguf":
         cfg, raw = _read_gguf(p, progress)
-        tok = load_tokenizer(p)
         if cached is not None:
-            _write_cache(cached, cfg, raw, tok)
+            built = load_tokenizer(p)
+            _write_cache(cached, cfg, raw, built)
+            tok = tok if tokenizer else built
     elif p.is_dir() and (p / "config.json").exists():
         cfg, raw = _read_hf_dir(p, progress)
-        tok = load_tokenizer(p)
     elif p.is_dir():
         raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
     else:
         raise FileNotFoundError(f"{p}: expected a .gguf file or a directory with config.json")
-    if tokenizer is not None and not dummy:
-        tok = load_tokenizer(Path(tokenizer))
-    _fits(tok, cfg)
+    n = _size_from_json(tok) if isinstance(tok, Path) else None
+    if n is None:  # no tokenizer.json to count: built now, and kept
+        tok = load_tokenizer(tok) if isinstance(tok, Path) else tok
+        n = len(tok)
+    _fits(n, cfg)
     assembled = _assemble(cfg, raw, dtype)
     del raw
     name = p.stem if p.is_file() else p.name
@@ -129,14 +140,14 @@ def _load_shared(p: Path, file: Path, dtype: torch.dtype, progress: bool, tokeni
     embed = mapped["embed"]
     head = embed if cfg.tie_embeddings else torch.empty((cfg.vocab_size, cfg.hidden_size), dtype=dtype, device="meta")
     w = Weights(embed=embed, layers=layers, norm=mapped["norm"], lm_head=head)
-    tok = load_tokenizer(Path(tokenizer) if tokenizer else p)
-    _fits(tok, cfg)
+    tok = Path(tokenizer) if tokenizer else tokenizer_source(p)
+    _fits(tokenizer_size(tok), cfg)
     return LoadedModel(LlamaModel(cfg, w, dtype, "bf16", packed=mapped), tok, p.stem if p.is_file() else p.name, p)
 
 
-def _fits(tok: object, cfg: ModelConfig) -> None:
-    if len(tok) > cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary only {cfg.vocab_size}: "
+def _fits(n_tokens: int, cfg: ModelConfig) -> None:
+    if n_tokens > cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {n_tokens} tokens, the model's vocabulary only {cfg.vocab_size}: "
                           "they do not belong together")
 
 
@@ -158,15 +169,40 @@ def _config_from_dict(c: dict) -> ModelConfig:
     return ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"]), "layer_windows": tuple(c["layer_windows"])})
 
 
+def tokenizer_source(p: Path) -> Path:
+    """Where ``p``'s tokenizer is read from: the load cache's copy of a GGUF file's, once written."""
+    cached = cache_dir(p) if p.is_file() else None
+    return cached if cached is not None and (cached / DONE).exists() else p
+
+
 def load_tokenizer(p: Path) -> object:
     from transformers import AutoTokenizer
 
-    cached = cache_dir(p) if p.is_file() else None
-    if cached is not None and (cached / DONE).exists():
-        return AutoTokenizer.from_pretrained(str(cached))
+    p = tokenizer_source(p)
     if p.is_file():
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     return AutoTokenizer.from_pretrained(str(p))
+
+
+def tokenizer_size(p: Path) -> int:
+    """``len()`` of the tokenizer at ``p`` (every token id, added ones included). Read from the directory's
+    tokenizer.json with the tokenizers library where there is one (~0.1 s, no transformers import); built
+    otherwise (a GGUF file, a sentencepiece-only directory)."""
+    n = _size_from_json(p)
+    return len(load_tokenizer(p)) if n is None else n
+
+
+def _size_from_json(p: Path) -> int | None:
+    p = tokenizer_source(p)
+    if not (p.is_dir() and (p / "tokenizer.json").exists()):
+        return None
+    from tokenizers import Tokenizer
+
+    ids = set(Tokenizer.from_file(str(p / "tokenizer.json")).get_vocab(with_added_tokens=True).values())
+    conf = p / "tokenizer_config.json"
+    if conf.exists():  # transformers also adds the tokens listed here, where tokenizer.json lacks them
+        ids |= {int(i) for i in json.loads(conf.read_text()).get("added_tokens_decoder", {})}
+    return len(ids)
 
 
 # -- load cache -------------------------------------------------------------------------------------------
@@ -183,13 +219,12 @@ def cache_dir(p: Path) -> Path | None:
     return Path(root) / f"{p.stem}-{key}"
 
 
-def _read_cache(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+def _read_cache(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     c = json.loads((d / "config.json").read_text())
     cfg = _config_from_dict(c)
-    return cfg, load_file(str(d / "weights.safetensors")), AutoTokenizer.from_pretrained(str(d))
+    return cfg, load_file(str(d / "weights.safetensors"))
 
 
 def _write_cache(d: Path, cfg: ModelConfig, raw: dict[str, torch.Tensor], tok: object) -> None:
@@ -312,7 +347,7 @@ def inspect(path: str | Path | None, dummy: bool = False, tokenizer: str | Path 
     if not (p / "config.json").exists():
         raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
     cfg, raw = _shapes(p) if dummy else _read_hf_dir(p, progress=False, meta=True)
-    _fits(load_tokenizer(Path(tokenizer) if tokenizer else p), cfg)
+    _fits(tokenizer_size(Path(tokenizer) if tokenizer else p), cfg)
     _assemble(cfg, raw, torch.float32, check_only=True)
     return cfg
 
