@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 import torch
@@ -30,11 +31,20 @@ def populate(t: torch.Tensor) -> bool:
     kernel did; False (nothing changed) on kernels before 5.14 or off Linux."""
     if not sys.platform.startswith("linux") or t.numel() == 0:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+    libc = _libc()
+    if libc is None:
         return False
-    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     a = t.data_ptr()
     start, end = a & ~(PAGE - 1), a + t.numel() * t.element_size()
     return libc.madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """Found once: ``find_library`` runs a subprocess (ldconfig) at every call."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return libc

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
 
+import numpy as np
 import torch
 import xxhash
 
@@ -43,6 +44,10 @@ class PageState(IntEnum):
     OWNED = 2  # verified, readable by its owner
     QUARANTINED = 3  # released, but a remote writer may still target it
     SHARED = 4  # read-only, reference counted, readable by its group (the owner field holds the group)
+
+
+_STATE_NAMES = tuple(s.name.lower() for s in PageState)
+_FREE, _SHARED = int(PageState.FREE), int(PageState.SHARED)
 
 
 class PoolExhausted(RuntimeError):
@@ -227,25 +232,27 @@ class PagePool:
         return PageRun(tuple(run.pages[i] for i in keep), tuple(run.generations[i] for i in keep))
 
     # -- conservation ---------------------------------------------------------------------------------
+    # Through numpy views of the tag tensors (no copy), with the states as plain ints (numpy probes an IntEnum
+    # for array attributes at every comparison): the same vectorized checks at a fraction of torch's per-op
+    # cost, which on the simulator's small pools was 80% of its run time.
     def counts(self) -> dict[str, int]:
-        c = torch.bincount(self.state.to(torch.int64), minlength=len(PageState)).tolist()
-        return {s.name.lower(): c[s] for s in PageState}
+        return dict(zip(_STATE_NAMES, np.bincount(self.state.numpy(), minlength=len(PageState)).tolist()))
 
     def check_integrity(self) -> None:
         """Raise AssertionError if pages are not conserved or a page is in two places."""
+        state, owner, refs, cached = (t.numpy() for t in (self.state, self.owner, self.refs, self.cached))
         c = self.counts()
         assert sum(c.values()) == self.cfg.num_pages
-        free = list(self._free)
-        assert len(free) == len(set(free)), "a page is in the free list twice"
+        free = np.fromiter(self._free, dtype=np.int64, count=len(self._free))
+        assert len(set(self._free)) == len(free), "a page is in the free list twice"
         assert c["free"] == len(free), f"free list {len(free)} != FREE tags {c['free']}"
-        idx = torch.tensor(free, dtype=torch.int64)
-        assert bool((self.state[idx] == PageState.FREE).all()) if free else True
-        free_mask = self.state == PageState.FREE
-        assert bool((self.owner[free_mask] == -1).all()), "a FREE page has an owner"
-        assert bool((self.owner[~free_mask] >= 0).all()), "a used page has no owner"
-        shared = self.state == PageState.SHARED
-        assert bool(((self.refs > 0) == shared).all()), "a page has references but is not SHARED, or none but is"
-        assert bool(shared[self.cached].all()), "a cached page is not SHARED"
+        assert (state[free] == _FREE).all()
+        free_mask = state == _FREE
+        assert (owner[free_mask] == -1).all(), "a FREE page has an owner"
+        assert (owner[~free_mask] >= 0).all(), "a used page has no owner"
+        shared = state == _SHARED
+        assert ((refs > 0) == shared).all(), "a page has references but is not SHARED, or none but is"
+        assert shared[cached].all(), "a cached page is not SHARED"
 
     def owned_by(self, owner: int) -> int:
         return int(((self.owner == owner) & (self.state != PageState.FREE)).sum())
