@@ -192,7 +192,8 @@ def soak(seed: int, requests: int, clients: int = 8, kills: int | None = None, d
                 break
             time.sleep(0.5)
         if not drained:
-            findings.append(f"pools did not drain: {pools}")
+            brief = {n: {k: v for k, v in p.items() if k != "machine"} for n, p in pools.items()}
+            findings.insert(0, f"pools did not drain: {brief}")  # first: the test shows the first findings
     keep = ("free_pages", "total_pages", "cached_pages", "integrity_ok", "running", "waiting")
     return {"seed": seed, "requests": requests, "clients": clients, "wall_s": round(wall, 1),
             "kills": list(zip(kill_at, kill_who)), "codes": dict(sorted(codes.items())), "stats": dict(stats),

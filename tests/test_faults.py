@@ -8,6 +8,9 @@ with ``KVSEAL_FAULTS=armable``; each test arms its own fault and starts on an id
 worker in service). A fault that kills a process, and a run that leaks pages by design, gets its own.
 """
 
+import os
+import signal
+import threading
 import time
 from contextlib import contextmanager
 
@@ -165,6 +168,34 @@ def test_a_router_dying_after_reserve_leaks_no_lease(ttl):
             h = t.dec.health()
             assert h["free_pages"] < h["total_pages"], "without a TTL the orphaned lease should still hold its pages"
         wait_pages_back(t.pre)
+
+
+def test_a_prefill_back_before_it_could_be_fenced_leaves_nothing_to_the_ttl():
+    """kill -9 of prefill mid-transfer: the router's Forget finds nobody there, so decode keeps the lease
+    QUARANTINED (for all it knows the writer lives). The prefill is back before three missed probes could fence
+    it (the router is stopped meanwhile: it misses none at all). The router sees a new process at its next
+    probe and fences the old one: the pages come back in seconds, not at the 120 s lease TTL. (Found by the
+    soak, once worker starts became fast.)"""
+    with Trio(POOL, env={"KVSEAL_FAULTS": "delay_page_write", "KVSEAL_FAULT_DELAY": "60"}) as t:
+        client = threading.Thread(target=lambda: complete(t.url, PROMPT), daemon=True)
+        client.start()
+        until(lambda: t.dec.health()["reserved"] > 0, "no lease taken")
+        t.pre.kill()
+        until(lambda: t.dec.health()["quarantined"] > 0, "the lease was not quarantined")
+        os.kill(t.router.proc.pid, signal.SIGSTOP)
+        try:
+            t.pre.restart()
+        finally:
+            os.kill(t.router.proc.pid, signal.SIGCONT)
+        client.join(30)
+        wait_pages_back(t.dec, timeout=15)
+
+
+def until(ok, what: str, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while not ok():
+        assert time.time() < deadline, what
+        time.sleep(0.05)
 
 
 def test_a_router_dying_mid_stream_stops_its_decode_work():

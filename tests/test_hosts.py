@@ -47,6 +47,22 @@ def test_without_confirmation_a_fenced_prefill_comes_back_at_once():
     assert h.probe_ok(101.0) == [] and h.healthy  # the bug: d1 and d2 may never have heard the fence
 
 
+def test_a_prefill_that_restarted_between_probes_is_fenced():
+    """A new process behind the same URL, seen in fewer misses than a fence needs (none, here): the process that
+    held the router's unsettled leases is dead, so they are fenced now rather than left QUARANTINED to the TTL.
+    A decode that restarts is not fenced (its pool died with it), nor a prefill answering as the same process."""
+    h = rc.WorkerHealth("p", "prefill", decodes=("d1",))
+    assert h.probe_ok(100.0, "a") == [] and h.healthy
+    assert h.probe_ok(101.0, "a") == [] and h.healthy
+    assert h.probe_failed(101.5, timed_out=False) == [] and h.state is rc.HealthState.DOWN
+    assert h.probe_ok(102.0, "b") == [rc.Fence("p", ("d1",))] and h.state is rc.HealthState.FENCED
+    h.confirmed("d1")
+    assert h.probe_ok(103.0, "b") == [] and h.healthy
+    assert h.probe_ok(104.0, "c") == [rc.Fence("p", ("d1",))], "a restart with no probe missed at all"
+    d = rc.WorkerHealth("d", "decode")
+    assert d.probe_ok(100.0, "a") == [] and d.probe_ok(101.0, "b") == [] and d.healthy
+
+
 def test_the_router_fences_an_unreachable_decode_until_it_answers():
     """The router's adapter: d2 is unreachable (probes and fence alike) when the fence goes out; the old code
     fenced only the decodes it believed healthy, once. d2 is asked at each probe, and the prefill stays out of

@@ -113,6 +113,8 @@ HEALTH = Table("router worker health", HealthState, [
     Transition("FENCED", "probe_ok", "UP", "it came back, and every decode confirmed the fence (a new epoch on each)",
                ""),
     Transition("FENCED", "probe_ok", "FENCED", "a decode has not confirmed the fence", "Fence (to those)"),
+    *[Transition(s, "probe_ok", "FENCED", "a prefill answering as a new process: the one that held its leases "
+                 "crashed, whatever the misses", "Fence") for s in ("UP", "DOWN")],
     Transition("UP", "probe_failed", "UP", "a timeout, and it answered real work within the busy grace", ""),
     Transition("UP", "probe_failed", "DOWN", "", ""),
     Transition("DOWN", "probe_failed", "DOWN", "fewer than FENCE_AFTER misses, or a decode", ""),
@@ -228,6 +230,7 @@ class WorkerHealth:
         self.last_ok = 0.0  # the time of its last answer: evidence of life that a slow probe cannot erase
         self.decodes = tuple(decodes)  # prefill role: the decodes a fence must reach
         self.unconfirmed: set[str] = set()  # decodes that have not confirmed this prefill's fence
+        self.incarnation: str | None = None  # the worker process's start token, from its last answer
         self.variants = variants
 
     @property
@@ -242,10 +245,21 @@ class WorkerHealth:
         """Real work answered: evidence of life (not a state change)."""
         self.last_ok = now
 
-    def probe_ok(self, now: float) -> list:
+    def probe_ok(self, now: float, incarnation: str | None = None) -> list:
         """A fenced prefill comes back only once every decode has moved its epoch on: a decode that missed the
-        fence (unreachable, or the message lost) would still take its old capabilities."""
+        fence (unreachable, or the message lost) would still take its old capabilities.
+
+        ``incarnation``: the token the worker drew when its process started. A prefill that answers with a new
+        one crashed and restarted, perhaps between two probes or in fewer than ``fence_after`` misses; its
+        leases the router could not settle (a Forget that found nobody) wait in QUARANTINED for a WriterDone
+        the dead process will never send. They are fenced now, not at the TTL."""
+        restarted = self.incarnation is not None and incarnation is not None and incarnation != self.incarnation
+        self.incarnation = incarnation or self.incarnation
         self.misses, self.last_ok = 0, now
+        if restarted and self.role == "prefill" and self.state is not HealthState.FENCED:
+            self._move("probe_ok", HealthState.FENCED)
+            self.unconfirmed = set(self.decodes)
+            return [Fence(self.url, self.decodes)]
         if self.state is HealthState.FENCED and (owed := self._owed()):
             self._move("probe_ok", HealthState.FENCED)
             return owed

@@ -11,6 +11,7 @@ the event loop.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable
 
@@ -74,6 +75,8 @@ class PrefillService:
         self.engine = engine
         self.writer = writer
         self.prefill_id = prefill_id
+        # drawn at start: a router that sees a new one knows the process that held its leases is gone (fenced)
+        self.incarnation = secrets.token_hex(8)
         self.faults = faults or Faults()
         prot = engine.cfg.protections
         self.core = PrefillCore(prot.admission, prot.deferred_release)
@@ -285,6 +288,7 @@ def prefill_app(svc: PrefillService) -> FastAPI:
             return JSONResponse({"status": "ok"})
         if svc.pending and svc.faults.fire("slow_health"):  # a probe stuck behind work in flight
             await asyncio.sleep(svc.faults.delay)
-        return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick), "machine": svc.engine.machine})
+        return JSONResponse({"status": "ok", **await pool_health(svc.engine, quick), "machine": svc.engine.machine,
+                             "incarnation": svc.incarnation})
 
     return app

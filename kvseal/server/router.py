@@ -223,7 +223,8 @@ class DisaggBackend:
             r = await self.client.get(w.url + "/health", params={"quick": "true"}, timeout=self.probe_timeout)
             w.info = r.json()
             now = time.monotonic()
-            acts = w.health.probe_ok(now) if r.status_code == 200 else w.health.probe_unhealthy(now)
+            acts = (w.health.probe_ok(now, w.info.get("incarnation")) if r.status_code == 200
+                    else w.health.probe_unhealthy(now))
         except (httpx.HTTPError, ValueError) as e:
             acts = w.health.probe_failed(time.monotonic(), timed_out=isinstance(e, httpx.TimeoutException))
         for a in acts:

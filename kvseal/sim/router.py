@@ -211,7 +211,7 @@ class RouterNode:
                 h = self.health[p.name]
                 slow = w.faults_on and w.rng.random() < w.k.slow
                 was = h.state
-                acts = h.probe_ok(w.now) if p.up and not slow else h.probe_failed(w.now, timed_out=p.up)
+                acts = h.probe_ok(w.now, str(p.inc)) if p.up and not slow else h.probe_failed(w.now, timed_out=p.up)
                 if was is not rc.HealthState.FENCED and h.state is rc.HealthState.FENCED:
                     self.fenced_at[p.name] = (w.decode.inc, w.decode.core.writer_epoch(p.name))
                 if was is rc.HealthState.FENCED and h.state is rc.HealthState.UP:
