@@ -271,6 +271,9 @@ def test_a_forged_flood_leaves_memory_flat_and_honest_traffic_served():
         # what runs there (kvseal.machine) for signed callers only; an unsigned probe learns liveness
         assert h["machine"]["kernels_why"] and h["machine"]["dtype"] in ("bf16", "fp32") and h["machine"]["cpu"]
         assert "machine" in t.pre.health() and httpx.get(t.dec.url + "/health").json() == {"status": "ok"}
+        for full in ("false", "true"):  # nor through the router's open /health, quick or full
+            pools = httpx.get(t.url + "/health", params={"full": full}, timeout=30).json()["pools"]
+            assert pools and all(p.get("total_pages") and not {"machine", "incarnation"} & p.keys() for p in pools)
         r = signed("POST", t.dec.url + "/kv/commit", role="prefill", body=b'{"rid": 5, "nonce": 1, "n_tokens": 1, '
                    b'"first_token": 0, "pages": [0], "generations": [0], "checksum": ""}')
         assert r.status_code == 403 and t.dec.health()["leases"] == 0  # signed, but no capability: no state

@@ -34,6 +34,8 @@ from kvseal.server.backend import GenRequest
 from kvseal.server.mux import TokenMux
 from kvseal.transfer import messages as P
 
+SIGNED_ONLY = ("machine", "incarnation")  # worker /health fields a signed caller sees and the router's open one not
+
 
 @dataclass
 class Worker:
@@ -255,6 +257,8 @@ class DisaggBackend:
         ok = any(w.healthy for w in self.prefills) and any(w.healthy for w in self.decodes)
         live = [w for w in self.prefills + self.decodes if w.healthy]
         pools = await self._full_pools() if full else [w.info | {"url": w.url} for w in live]
+        # open to anyone: what a worker tells signed callers only (what runs there, its start token) stays out
+        pools = [{k: v for k, v in p.items() if k not in SIGNED_ONLY} for p in pools]
         return {"status": "ok" if ok else "degraded", "pools": pools,
                 "workers": {w.url: w.healthy for w in self.prefills + self.decodes}}
 
