@@ -79,7 +79,9 @@ def sign(role: str, method: str, path: str, body: bytes, **kw) -> dict:
     return Signer(SECRET, role, "n1").headers(method, path, body, **kw)
 
 
-async def sweep(verifier: Verifier | None) -> dict[str, dict[str, int]]:
+async def sweep(verifier: Verifier | None, unsigned_only: bool = False) -> dict[str, dict[str, int]]:
+    """Each internal route called unsigned, by the wrong role, tampered, stale, oversized and replayed (or only
+    unsigned): the status each got."""
     dec, pre = services()
     apps = {"decode": Guard(worker_app(dec), verifier, max_body=4096),
             "prefill": Guard(worker_app(pre), verifier, max_body=4096)}
@@ -87,6 +89,9 @@ async def sweep(verifier: Verifier | None) -> dict[str, dict[str, int]]:
     try:
         for name, (app, method, path, role) in ROUTE_CALLS.items():
             a, body = apps[app], b'{"rid": 1}'
+            if unsigned_only:  # an open stream costs its whole wait: one call per route, not seven
+                out[name] = {"unsigned": (await call(a, method, path, body)).status_code}
+                continue
             wrong = next(r for r in ("router", "prefill", "decode") if r not in roles_for(path))
             good = sign(role, method, path, body)
             stale = sign(role, method, path, body, now=time.time() - 60)
@@ -114,7 +119,7 @@ def test_every_internal_route_refuses_unsigned_wrong_role_tampered_replayed_stal
 
 
 def test_without_the_verifier_every_door_is_open():
-    res = asyncio.run(sweep(None))
+    res = asyncio.run(sweep(None, unsigned_only=True))
     assert all(codes["unsigned"] not in (401, 403) for codes in res.values()), res
 
 

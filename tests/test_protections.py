@@ -22,7 +22,7 @@ from kvseal.transfer import messages as P
 def decode_service(prot: Protections) -> DecodeService:
     cfg = EngineConfig(pool=PoolConfig(num_pages=2, page_size=16), dtype="fp32", protections=prot)
     pool = PagePool(cfg.pool, 2, 1, 8, torch.float32)
-    return DecodeService(Engine(cfg, None, pool, role="decode").start(), (), "unused", "d0")
+    return DecodeService(Engine(cfg, None, pool, role="decode").start(), (), "unused", "d0", reserve_wait=2.0)
 
 
 def reserve(rid: int) -> P.Reserve:
