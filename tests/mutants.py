@@ -109,7 +109,7 @@ MUTANTS = [
            "if not self.unconfirmed or self.variants.unconfirmed_fence:", "if True:"),
     Mutant("router: a prefill restarted between probes not fenced", "kvseal/protocol/router.py",
            "if restarted and self.role == \"prefill\" and self.state is not HealthState.FENCED:",
-           "if False:", tests=[*FAST, "tests/test_faults.py -k back_before"], sim=False),
+           "if False:", tests=[*FAST, "tests/test_faults.py -k back_before"]),
     # -- pool, messages, engine -------------------------------------------------------------------------------------
     Mutant("pool: a page's generation not compared", "kvseal/kv/pool.py",
            "ok = (self.owner[idx] == owner) & (self.generation[idx] == gens) & (self.state[idx] == int(state))",

@@ -1,8 +1,8 @@
 """The hosts: the code that carries the protocol machines' actions out, shared by the services and the simulator.
 
 Each hole found in the services' old adapters has a direct test here that goes red without its fix (the
-simulator finds both too, as the ``duplicate_reserve`` and ``unconfirmed_fence`` variants, in
-``test_protocol_models``), and the layout rule that keeps them closed: no lease-state test, page free or engine
+simulator finds each too, as the ``duplicate_reserve``, ``unconfirmed_fence`` and ``restart_unfenced`` variants,
+in ``test_protocol_models``), and the layout rule that keeps them closed: no lease-state test, page free or engine
 private call in ``kvseal/server/``.
 """
 
@@ -61,6 +61,11 @@ def test_a_prefill_that_restarted_between_probes_is_fenced():
     assert h.probe_ok(104.0, "c") == [rc.Fence("p", ("d1",))], "a restart with no probe missed at all"
     d = rc.WorkerHealth("d", "decode")
     assert d.probe_ok(100.0, "a") == [] and d.probe_ok(101.0, "b") == [] and d.healthy
+
+
+def test_ignoring_the_start_token_leaves_a_restarted_prefill_unfenced():
+    h = rc.WorkerHealth("p", "prefill", decodes=("d1",), variants=Variants.only("restart_unfenced"))
+    assert h.probe_ok(100.0, "a") == [] and h.probe_ok(101.0, "b") == [] and h.healthy  # the bug (the soak's find)
 
 
 def test_the_router_fences_an_unreachable_decode_until_it_answers():

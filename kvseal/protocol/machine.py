@@ -68,10 +68,11 @@ class Variants:
     # bugs of the hosts (the code that carries the machines' actions out), which only the simulator runs:
     duplicate_reserve: bool = False  # decode records a reserve before its lease opens, with no one-per-rid guard
     unconfirmed_fence: bool = False  # the router fences once, and a prefill fenced on no decode may come back
+    restart_unfenced: bool = False  # the router ignores a prefill's new start token: back within 3 probes, unfenced
 
     NAMES = ("placeholder", "free_on_abort", "no_coverage", "lease_reuse", "fence_without_epoch",
              "commit_after_expiry")  # each found by the simulator and by both formal models
-    SIM_NAMES = ("duplicate_reserve", "unconfirmed_fence")  # found by the simulator
+    SIM_NAMES = ("duplicate_reserve", "unconfirmed_fence", "restart_unfenced")  # found by the simulator
 
     @classmethod
     def only(cls, name: str) -> Variants:

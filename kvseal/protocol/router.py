@@ -253,7 +253,8 @@ class WorkerHealth:
         one crashed and restarted, perhaps between two probes or in fewer than ``fence_after`` misses; its
         leases the router could not settle (a Forget that found nobody) wait in QUARANTINED for a WriterDone
         the dead process will never send. They are fenced now, not at the TTL."""
-        restarted = self.incarnation is not None and incarnation is not None and incarnation != self.incarnation
+        restarted = (self.incarnation is not None and incarnation is not None and incarnation != self.incarnation
+                     and not self.variants.restart_unfenced)
         self.incarnation = incarnation or self.incarnation
         self.misses, self.last_ok = 0, now
         if restarted and self.role == "prefill" and self.state is not HealthState.FENCED:

@@ -216,6 +216,7 @@ class DecodeNode(Node):
 
     def tick(self) -> None:
         if self.up:
+            self.w.check_ttl(self.core.leases.values())
             self.carry(self.host.expire(self.w.now))
         self.w.at(self.w.k.ttl / 4, self.tick)
 

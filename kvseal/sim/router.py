@@ -39,12 +39,15 @@ class RouterNode:
         self.health = {p.name: rc.WorkerHealth(p.name, "prefill", busy_grace=3.0, decodes=(world.decode.name,),
                                                variants=world.variants) for p in world.prefills}
         self.fenced_at: dict[str, tuple[int, int]] = {}  # prefill → (decode incarnation, its epoch) when fenced
+        self.seen_inc: dict[str, int] = {}  # prefill → the incarnation its last answered probe showed
+        self.restart_seen: dict[str, float] = {}  # prefill → when a probe showed a new process of an unfenced one
         self.host = RouterHost(self)
         self.boot()
 
     def boot(self) -> None:
         self.inc += 1
         self.up = True
+        self.up_since = self.w.now
         self.calls: dict[int, Call] = {}
         self.count = 0
 
@@ -212,6 +215,10 @@ class RouterNode:
                 slow = w.faults_on and w.rng.random() < w.k.slow
                 was = h.state
                 acts = h.probe_ok(w.now, str(p.inc)) if p.up and not slow else h.probe_failed(w.now, timed_out=p.up)
+                if p.up and not slow:  # a new process seen while the old one was not fenced: its leases are due
+                    if self.seen_inc.get(p.name, p.inc) != p.inc and was is not rc.HealthState.FENCED:
+                        self.restart_seen[p.name] = w.now
+                    self.seen_inc[p.name] = p.inc
                 if was is not rc.HealthState.FENCED and h.state is rc.HealthState.FENCED:
                     self.fenced_at[p.name] = (w.decode.inc, w.decode.core.writer_epoch(p.name))
                 if was is rc.HealthState.FENCED and h.state is rc.HealthState.UP:

@@ -20,20 +20,27 @@ Checked after every step (``Violation`` names the first one broken):
    never fit, 500 only after an injected corruption);
 4. an over-long request is never served;
 5. every pool is conserved (``check_integrity``), and once traffic stops every request ends and every page
-   drains back to the free list.
+   drains back to the free list;
+6. a quarantined lease whose writer restarted is settled by the router's fence, not left to the TTL: once the
+   router has seen a new process of a prefill it had not fenced (and stayed up), the leases born before are
+   gone within ``FENCE_LATENCY`` (checked when decode's TTL comes for a lease). The dead process will never
+   send their WriterDone; without the fence their pages wait for the TTL (120 s by default).
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+from kvseal.protocol.decode import Lease, LeaseState
 from kvseal.protocol.machine import SAFE, Variants
 from kvseal.sim.base import Knobs, Request, Violation
 from kvseal.sim.decode import DecodeNode
 from kvseal.sim.prefill import PrefillNode
 from kvseal.sim.router import RouterNode
+
+FENCE_LATENCY = 6.0  # a probe each time unit, messages up to 2 late, the fence resent until every decode confirms
 
 
 class World:
@@ -131,6 +138,16 @@ class World:
                 node.pool.check_integrity()
             except AssertionError as e:
                 raise Violation(f"{node.name} pool not conserved: {e}") from None
+
+    def check_ttl(self, leases: Iterable[Lease]) -> None:
+        """Invariant 6, for decode's open leases when its TTL sweep runs."""
+        r = self.router
+        for lease in leases:
+            seen = r.restart_seen.get(lease.writer)
+            if (seen is not None and lease.state is LeaseState.QUARANTINED and self.now - lease.born >= self.k.ttl
+                    and lease.born < seen and r.up and r.up_since <= seen and self.now - seen >= FENCE_LATENCY):
+                self.violate(f"lease rid {lease.rid} ({lease.state.name}) waited for the TTL: its writer "
+                             f"{lease.writer} restarted and the router saw it back at t={seen:.2f}, unfenced")
 
     def violate(self, what: str) -> None:
         self.log(f"VIOLATION {what}")
