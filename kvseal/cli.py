@@ -16,8 +16,7 @@ import tempfile
 # the HTTP thread on a small machine; 100k measured best here (bench/README: 32 streams, ~+15%).
 os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
-from kvseal.config import UNSAFE_FLAGS, Protections
-from kvseal.engine.build import WorkerSpec
+from kvseal.config import UNSAFE_FLAGS, Protections, WorkerSpec
 from kvseal.model.arch import ConfigError
 from kvseal.model.cpu import LevelError, choice
 from kvseal.server.served import add_front_args
@@ -250,7 +249,7 @@ def _start(a: argparse.Namespace) -> None:
 def run_preflight(a: argparse.Namespace) -> None:
     import gguf
 
-    from kvseal.config import DTYPES
+    from kvseal.config import torch_dtype
     from kvseal.kv.preflight import pool_tokens_for, preflight
     from kvseal.model.loader import default_model_path, gguf_config, inspect
 
@@ -258,7 +257,7 @@ def run_preflight(a: argparse.Namespace) -> None:
     cfg = inspect(path) or gguf_config(gguf.GGUFReader(path))  # an HF directory, or a GGUF file
     from kvseal.model.cpu import resolve_dtype
 
-    dtype = DTYPES[resolve_dtype(a.dtype)[0]]
+    dtype = torch_dtype(resolve_dtype(a.dtype)[0])
     tokens = pool_tokens_for(cfg, dtype, int(a.memory * 2**30), a.page_size)
     print(preflight(cfg, dtype, tokens, a.context, allow_below=True).table())
     if tokens < (a.context or cfg.max_context):

@@ -8,10 +8,20 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}  # → torch's names
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``bf16`` / ``fp32`` (or torch's own names) as a torch dtype. PyTorch is imported here, not at the top:
+    the router and the launcher read this configuration and never load it."""
+    import torch
+
+    return getattr(torch, DTYPES[name])
 
 
 @dataclass(frozen=True)
@@ -78,7 +88,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V, all layers, for one token."""
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
 
 
@@ -156,9 +166,33 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def admit_limit(self) -> int:
         """Largest prompt + max_tokens this engine can ever serve."""
         return min(self.context_window, self.pool.capacity_tokens)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """A worker's flags as given (``kvseal.cli.worker_spec``); ``kvseal.engine.build`` turns them into an engine."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto | bf16 | fp32 (kvseal.model.cpu.resolve_dtype)
+    kv_pool_tokens: int | None = None
+    kv_memory_gib: float = 1.5
+    page_size: int = 16
+    context: int | None = None
+    allow_pool_below_context: bool = False
+    max_running: int = 64
+    step_token_budget: int = 512
+    weights: str = "auto"  # auto or kvseal.model.quant.WEIGHT_MODES (kvseal.model.cpu.resolve_weights)
+    threads: int = 0
+    share_cores: str | None = None  # lock file shared with another engine on this host (CoreLock)
+    scrub_on_free: bool = False
+    prefix_cache: bool = True
+    protections: Protections = field(default_factory=Protections)
+    tokenizer: str | None = None  # a tokenizer other than the checkpoint's
+    load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shape)
+    shared_weights: str | None = None  # a file this host's workers share their packed weights through

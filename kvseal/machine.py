@@ -10,10 +10,7 @@ import json
 import os
 import platform
 
-import torch
-
 from kvseal.model import cpu
-from kvseal.model.kernels import library_info, library_path
 
 # the features that decide a level or a dtype, as /proc/cpuinfo names them
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni",
@@ -22,6 +19,10 @@ FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"
 
 def facts(dtype: str = "auto", weights: str = "auto", threads: int = 0) -> dict:
     """Raises ``kvseal.model.cpu.LevelError`` when ``KVSEAL_ISA`` names a level this machine cannot run."""
+    import torch  # here, not at the top: the CLI's parser imports this module, and the router never loads PyTorch
+
+    from kvseal.model.kernels import library_info, library_path
+
     c = cpu.choice()
     path = library_path()
     level, compiler = library_info(path) if path else (None, None)

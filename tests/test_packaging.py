@@ -1,5 +1,5 @@
 """The package declares exactly the distributions its code imports (plus those it needs through another
-library, named with the reason), and says what it is."""
+library, named with the reason), says what it is, and the front door loads no PyTorch."""
 
 import ast
 import re
@@ -39,3 +39,37 @@ def test_the_package_says_what_it_is():
     assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").read_text().count("Apache License") >= 1
     assert project["readme"] == "README.md" and project["classifiers"]
     assert (ROOT / "CHANGELOG.md").exists()
+
+
+def test_the_router_serves_without_loading_pytorch():
+    """The router runs no model: PyTorch stays out of its process (~1 s of every start, a few hundred MB), yet
+    it tokenizes, applies the chat template and compiles a grammar. Red if any module on its path imports torch
+    at the top, or if transformers is left to import it."""
+    import subprocess
+    import time
+
+    import httpx
+    from conftest import MODEL, cluster_secret, free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "router", "--prefill", "http://127.0.0.1:9",
+                             "--decode", "http://127.0.0.1:9", "--cluster-secret-file", cluster_secret(),
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # no worker answers: /health is 503 (degraded), /v1/models is up
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        tok = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert tok.status_code == 200 and tok.json()["count"] > 5, tok.text
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_object"}}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert reply.status_code == 503, reply.text  # the grammar compiled; no worker to run it (never a 500)
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text(), "the router loaded PyTorch"
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvseal.config import PoolConfig
-from kvseal.kv.pool import PagePool, PageState, PoolExhausted, tenant_tag
+from kvseal.kv.pool import PagePool, PageState, PoolExhausted
+from kvseal.kv.tags import tenant_tag
 
 
 def small_pool(pages: int = 8) -> PagePool:

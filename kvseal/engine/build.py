@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from kvseal.config import DTYPES, EngineConfig, PoolConfig, Protections
+from kvseal.config import EngineConfig, PoolConfig, WorkerSpec, torch_dtype
 from kvseal.engine.engine import Engine
 from kvseal.engine.grammar import Grammars
 from kvseal.kv.pool import PagePool
@@ -27,28 +26,6 @@ from kvseal.model.loader import LoadedModel, load
 # with two threads each, 2.4 and 4.2 s with one (Zen 4, 2 cores). One worker alone loads as fast either way:
 # reading the cache and faulting the pool in are bound by memory and the kernel, not by FLOPs.
 LOAD_THREADS = 1
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    model: str | None = None
-    dtype: str = "auto"  # auto | bf16 | fp32 (kvseal.model.cpu.resolve_dtype)
-    kv_pool_tokens: int | None = None
-    kv_memory_gib: float = 1.5
-    page_size: int = 16
-    context: int | None = None
-    allow_pool_below_context: bool = False
-    max_running: int = 64
-    step_token_budget: int = 512
-    weights: str = "auto"  # auto or kvseal.model.quant.WEIGHT_MODES (kvseal.model.cpu.resolve_weights)
-    threads: int = 0
-    share_cores: str | None = None  # lock file shared with another engine on this host (CoreLock)
-    scrub_on_free: bool = False
-    prefix_cache: bool = True
-    protections: Protections = field(default_factory=Protections)
-    tokenizer: str | None = None  # a tokenizer other than the checkpoint's
-    load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shape)
-    shared_weights: str | None = None  # a file this host's workers share their packed weights through
 
 
 def off_main_thread(fn: Callable[[], object], threads: int = 0) -> object:
@@ -94,7 +71,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
                  handoff: Callable | None = None, metrics: object = None,
                  loaded: LoadedModel | None = None) -> tuple[Engine, LoadedModel, Sizing]:
     dtype_name, weights = resolve(spec)
-    dtype = DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     lm = loaded or off_main_thread(lambda: load(spec.model, dtype, tokenizer=spec.tokenizer,
                                                  dummy=spec.load_format == "dummy", weights=weights, release=True,
                                                  shared=spec.shared_weights), threads=LOAD_THREADS)

@@ -31,8 +31,9 @@ from kvseal.engine.runner import Runner
 from kvseal.engine.sampling import sample
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.errors import BadRequest, ContextLengthError, EngineError, KVIntegrityError
-from kvseal.kv.pool import PagePool, PageRun, PageState, tenant_tag
+from kvseal.kv.pool import PagePool, PageRun, PageState
 from kvseal.kv.prefix import PrefixCache
+from kvseal.kv.tags import tenant_tag
 from kvseal.model.llama import LlamaModel
 
 

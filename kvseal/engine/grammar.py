@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 
 from kvseal.errors import BadRequest
+
+if TYPE_CHECKING:
+    import torch
 
 
 def compile_response_format(fmt: dict | None) -> str | None:
@@ -75,6 +78,8 @@ def mask_row(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
     under one ``ATEN_CPU_CAPABILITY`` to a process under another (seen here: wrong masks, then a corrupted heap).
     Importing ``llguidance.torch`` at all costs ~2 s of every process start (it loads Dynamo and Inductor), so
     the bitmask is filled here through the matcher's own call."""
+    import torch  # here, not at the top: the router compiles grammars and never loads PyTorch
+
     n = row.numel()
     bits = torch.full(((n + 31) // 32,), -1, dtype=torch.int32)
     matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvseal.engine.sampling import Logprob, SamplingParams, make_generator
+from kvseal.engine.request import Event, SamplingParams
+from kvseal.engine.sampling import Logprob, make_generator
 from kvseal.kv.pool import PageRun
 
 
@@ -23,18 +24,6 @@ class Phase(enum.Enum):
     RUNNING = "running"
     TRANSFER = "transfer"  # prefill role: KV written out, waiting for decode's ack
     DONE = "done"
-
-
-@dataclass(frozen=True)
-class Event:
-    """What an engine reports about a request: new tokens, then exactly one final event."""
-
-    rid: int
-    token_ids: tuple[int, ...] = ()
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: Exception | None = None
-    logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked for logprobs
-    cached_tokens: int = 0  # on the first token's event: prompt tokens read from the prefix cache
 
 
 @dataclass(eq=False)

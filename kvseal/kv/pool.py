@@ -27,24 +27,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Protocol
 
 import numpy as np
 import torch
-import xxhash
 
 from kvseal.config import PoolConfig
+from kvseal.kv.tags import PageState
 from kvseal.memory import populate
-
-
-class PageState(IntEnum):
-    FREE = 0
-    RESERVED = 1  # leased to a remote writer, awaiting commit
-    OWNED = 2  # verified, readable by its owner
-    QUARANTINED = 3  # released, but a remote writer may still target it
-    SHARED = 4  # read-only, reference counted, readable by its group (the owner field holds the group)
-
 
 _STATE_NAMES = tuple(s.name.lower() for s in PageState)
 _FREE, _SHARED = int(PageState.FREE), int(PageState.SHARED)
@@ -68,11 +58,6 @@ class Reclaimer(Protocol):
     def evictable(self) -> int: ...
 
     def evict(self, n_pages: int) -> int: ...
-
-
-def tenant_tag(tenant: str) -> int:
-    """A tenant's tag on its pages: a 31-bit hash of its name, the same on every node and thread."""
-    return xxhash.xxh32_intdigest(tenant.encode()) & 0x7FFFFFFF
 
 
 def kv_shape(cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvseal.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ConfigError(ValueError):
@@ -205,6 +207,8 @@ def _rope(params: dict, max_context: int) -> tuple[dict, dict | None, int]:
 def inv_freq(theta: float, dim: int, params: dict | None, max_context: int) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies ``[dim / 2]`` and the factor applied to cos and sin, as transformers computes
     them for each RoPE type."""
+    import torch  # here, not at the top: the router reads configs (ConfigError) and never loads PyTorch
+
     base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = (params or {}).get("rope_type", "default")
     if kind in ("default", "dynamic"):

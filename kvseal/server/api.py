@@ -29,9 +29,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvseal.engine.grammar import compile_response_format
-from kvseal.engine.sampling import SamplingParams
+from kvseal.engine.request import SamplingParams
 from kvseal.errors import BadRequest, ContextLengthError, EngineError
-from kvseal.kv.pool import tenant_tag
+from kvseal.kv.tags import tenant_tag
 from kvseal.server.backend import Backend, GenRequest
 from kvseal.server.dashboard import PAGE as DASHBOARD
 from kvseal.server.dashboard import STATES

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvseal.config import Protections
-from kvseal.engine.engine import Engine
-from kvseal.engine.sampling import SamplingParams
-from kvseal.engine.sequence import Event, Sequence
+from kvseal.engine.request import Event, SamplingParams
+
+if TYPE_CHECKING:  # the router imports this module and runs no engine: it never loads PyTorch
+    from kvseal.engine.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class EngineBackend:
 
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
         q: asyncio.Queue = asyncio.Queue()
+        from kvseal.engine.sequence import Sequence
+
         seq = Sequence(req.rid, req.prompt, req.params, self.batcher.sink_for(q), eos_ids=self.eos_ids,
                        group=req.group, tenant=req.tenant)
         await asyncio.wrap_future(self.engine.submit(seq))

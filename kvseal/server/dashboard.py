@@ -20,15 +20,15 @@ import asyncio
 import base64
 from pathlib import Path
 
-import torch
-
-from kvseal.kv.pool import PageState
+from kvseal.kv.tags import PageState
 
 PAGE = Path(__file__).with_name("dashboard.html")
 
 
 async def pool_snapshot(engine: object) -> dict:
     """One pool, consistent: states, tenant tags, which shared pages the prefix cache holds."""
+    import torch  # a colocated engine's pool; the router, which never loads PyTorch, asks its workers instead
+
     def take() -> dict:
         pool = engine.pool
         state = pool.state.clone()

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from kvseal.config import UNSAFE_FLAGS, Protections
-from kvseal.engine.build import WorkerSpec
+from kvseal.config import UNSAFE_FLAGS, Protections, WorkerSpec
 from kvseal.transfer.auth import write_secret_file
 
 

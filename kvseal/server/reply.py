@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
 
-from kvseal.engine.sampling import Logprob
-from kvseal.engine.sequence import Event
+from kvseal.engine.request import Event
 from kvseal.errors import EngineError
 from kvseal.server.metrics import Metrics
 from kvseal.server.text import TextStream, TokenStrings
+from kvseal.transfer.messages import Logprob
 
 log = logging.getLogger("kvseal.api")
 

@@ -24,7 +24,7 @@ import httpx
 import msgspec
 
 from kvseal.config import Protections
-from kvseal.engine.sequence import Event
+from kvseal.engine.request import Event
 from kvseal.errors import EngineError, Overloaded, TooManyRequests, Unanswered
 from kvseal.faults import Faults
 from kvseal.protocol import router as rp

@@ -46,7 +46,7 @@ def add_front_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_path(model: str | None) -> Path:
-    from kvseal.model.loader import default_model_path
+    from kvseal.model.files import default_model_path
 
     return Path(model) if model else default_model_path()
 
@@ -120,6 +120,6 @@ def front(a: argparse.Namespace, tokenizer: object) -> Served:
 
 
 def load_front_tokenizer(a: argparse.Namespace) -> object:
-    from kvseal.model.loader import load_tokenizer
+    from kvseal.model.files import load_tokenizer
 
     return load_tokenizer(Path(a.tokenizer) if a.tokenizer else model_path(a.model))

@@ -6,14 +6,14 @@ import argparse
 import asyncio
 import os
 import secrets
+import sys
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from kvseal.config import Protections
-from kvseal.engine.build import WorkerSpec, build_engine
+from kvseal.config import Protections, WorkerSpec
 from kvseal.faults import Faults
 from kvseal.server.guard import FRONT_MAX_BODY, Guard
 from kvseal.server.metrics import Metrics, ScrapeDoor
@@ -22,6 +22,8 @@ from kvseal.transfer.auth import cluster_auth
 
 def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str, lease_ttl: float = 0.0,
                  mooncake: object = None, auth: tuple = (None, {}), tls: tuple = (None, None)) -> None:
+    from kvseal.engine.build import build_engine  # PyTorch: a worker's, never the router's
+
     verifier, http = auth
     scheme = "https" if tls[0] else "http"
     metrics = Metrics()
@@ -92,6 +94,10 @@ def _writer(transport: str, host: str, mooncake: object) -> object:
 
 
 def serve_router(a: argparse.Namespace) -> None:
+    # The front door runs no model, so PyTorch stays out of it: ~1 s of every start and a few hundred MB of
+    # memory. transformers imports it whenever it is installed, even to build a tokenizer; marked absent here,
+    # transformers tokenizes without it (tests/test_packaging.py starts a router and checks).
+    sys.modules.setdefault("torch", None)
     from kvseal.server.api import create_app
     from kvseal.server.router import DisaggBackend
     from kvseal.server.served import front, load_front_tokenizer

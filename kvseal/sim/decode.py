@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kvseal.errors import EngineError, Overloaded
-from kvseal.kv.pool import PageRun, PageState, tenant_tag
+from kvseal.kv.pool import PageRun, PageState
+from kvseal.kv.tags import tenant_tag
 from kvseal.protocol import decode as dc
 from kvseal.protocol.decode_host import DecodeHost, Held
 from kvseal.sim.base import PAGE, Node, Request, new_pool, write_pattern

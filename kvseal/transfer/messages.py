@@ -15,11 +15,15 @@ message corrupted on the way is caught like a corrupted page.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
-import torch
 import xxhash
 
 from kvseal.errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
 
 VERSION = 4  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout;
 # 4: every sampling parameter travels (SamplingParams.to_wire), logprobs ride with tokens, leases carry a
@@ -147,6 +151,8 @@ class Forget(Msg):
 def page_bytes(kv: torch.Tensor, pages: list[int], n_tokens: int) -> list[torch.Tensor]:
     """The bytes of the first ``n_tokens`` slots of ``pages``, in a fixed order on every node: the full
     pages whole, then the written slots of the last one (its unwritten tail differs between nodes)."""
+    import torch  # here, not at the top: the router speaks these messages and never loads PyTorch
+
     full, rem = divmod(n_tokens, kv.shape[4])
     parts = [kv[torch.tensor(pages[:full], dtype=torch.int64)]] if full else []
     if rem:
