@@ -18,7 +18,7 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float3
 
 def torch_dtype(name: str) -> torch.dtype:
     """``bf16`` / ``fp32`` (or torch's own names) as a torch dtype. PyTorch is imported here, not at the top:
-    the router and the launcher read this configuration and never load it."""
+    the router reads this configuration and never loads it."""
     import torch
 
     return getattr(torch, DTYPES[name])
