@@ -41,35 +41,63 @@ def test_the_package_says_what_it_is():
     assert (ROOT / "CHANGELOG.md").exists()
 
 
-def test_the_router_serves_without_loading_pytorch():
-    """The router runs no model: PyTorch stays out of its process (~1 s of every start, a few hundred MB), yet
-    it tokenizes, applies the chat template and compiles a grammar. Red if any module on its path imports torch
-    at the top, or if transformers is left to import it."""
+def start_router(env: dict | None = None) -> tuple[object, str]:
+    """A router over no live worker: /health is 503 (degraded), /v1/models answers once it is up."""
+    import os
     import subprocess
     import time
 
     import httpx
-    from conftest import MODEL, cluster_secret, free_port
+    from conftest import cluster_secret, free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "router", "--prefill", "http://127.0.0.1:9",
                              "--decode", "http://127.0.0.1:9", "--cluster-secret-file", cluster_secret(),
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                             "--port", str(port)], env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    return proc, url
+
+
+def test_the_router_serves_without_loading_pytorch(bf16_model):
+    """The router runs no model: PyTorch stays out of its process (~1 s of every start, a few hundred MB), yet
+    it tokenizes, applies the chat template and compiles a grammar. Red if any module on its path imports torch
+    at the top, or if transformers is left to import it. (``bf16_model``: the load cache, where the tokenizer of
+    the default GGUF file is read from, is written.)"""
+    import httpx
+    from conftest import MODEL
+
+    proc, url = start_router()
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:  # no worker answers: /health is 503 (degraded), /v1/models is up
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         tok = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert tok.status_code == 200 and tok.json()["count"] > 5, tok.text
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_object"}}
         reply = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert reply.status_code == 503, reply.text  # the grammar compiled; no worker to run it (never a 500)
         assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text(), "the router loaded PyTorch"
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_router_reading_a_gguf_tokenizer_still_starts():
+    """Without the load cache (a fresh host, or ``KVSEAL_CACHE=off``) the tokenizer comes from the GGUF file,
+    which transformers reads through PyTorch: the router keeps it then, and serves."""
+    import httpx
+    from conftest import MODEL
+
+    proc, url = start_router({"KVSEAL_CACHE": "off"})
+    try:
+        assert proc.poll() is None, "the router died at start"
+        tok = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "The capital of France"})
+        assert tok.status_code == 200 and tok.json()["count"] >= 4, tok.text
     finally:
         proc.kill()
         proc.wait(10)

@@ -119,7 +119,14 @@ def front(a: argparse.Namespace, tokenizer: object) -> Served:
     return Served(names, str(a.model or path), generation_defaults(a.model, a.generation_config))
 
 
+def front_tokenizer_source(a: argparse.Namespace) -> Path:
+    """Where the front door reads its tokenizer: a directory, or a GGUF file whose load cache is not written."""
+    from kvseal.model.files import tokenizer_source
+
+    return tokenizer_source(Path(a.tokenizer) if a.tokenizer else model_path(a.model))
+
+
 def load_front_tokenizer(a: argparse.Namespace) -> object:
     from kvseal.model.files import load_tokenizer
 
-    return load_tokenizer(Path(a.tokenizer) if a.tokenizer else model_path(a.model))
+    return load_tokenizer(front_tokenizer_source(a))

@@ -94,13 +94,16 @@ def _writer(transport: str, host: str, mooncake: object) -> object:
 
 
 def serve_router(a: argparse.Namespace) -> None:
+    from kvseal.server.served import front, front_tokenizer_source, load_front_tokenizer
+
     # The front door runs no model, so PyTorch stays out of it: ~1 s of every start and a few hundred MB of
     # memory. transformers imports it whenever it is installed, even to build a tokenizer; marked absent here,
-    # transformers tokenizes without it (tests/test_packaging.py starts a router and checks).
-    sys.modules.setdefault("torch", None)
+    # transformers tokenizes without it (tests/test_packaging.py starts a router and checks). Not for a GGUF
+    # file's tokenizer (no load cache yet: a fresh host, KVSEAL_CACHE=off): transformers reads GGUF through it.
+    if front_tokenizer_source(a).is_dir():
+        sys.modules.setdefault("torch", None)
     from kvseal.server.api import create_app
     from kvseal.server.router import DisaggBackend
-    from kvseal.server.served import front, load_front_tokenizer
     from kvseal.server.tenants import Tenants
 
     tokenizer = load_front_tokenizer(a)
