@@ -225,13 +225,25 @@ def test_prefill_kernel_is_as_accurate_as_bf16_sdpa(kernel):
     assert err_kernel <= 1.15 * err_rounded and err_kernel <= err_sdpa
 
 
-def test_the_native_layer_loop_equals_the_python_one(bf16_model):
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_the_native_layer_loop_equals_the_python_one(bf16_model, weights):
     """``NativeLayers`` (the layer loop in one native call) runs the same kernels in the same order as
     ``_layers_fused``: a step mixing decode rows of ragged lengths with two prefill chunks (one from position 0,
-    one over earlier pages) gives bit-identical logits and writes bit-identical K/V into the pool."""
+    one over earlier pages) gives bit-identical logits and writes bit-identical K/V into the pool. With
+    ``--weights int8`` a step of at most 8 rows runs the int8 kernel in both loops."""
+    model = bf16_model.model
+    if weights == "bf16":
+        return _native_loop_equals_python(model, [(0, 37), (20, 30)])
+    model.use_weights("int8")
+    try:
+        _native_loop_equals_python(model, [(0, 3), (20, 2)], q8=True)
+    finally:
+        model.use_weights("bf16")
+
+
+def _native_loop_equals_python(model, chunks: list[tuple[int, int]], q8: bool = False) -> None:
     from kvseal.model.attention import DecodeRows, Span
     from kvseal.model.llama import ForwardBatch
-    model = bf16_model.model
     if model.native_table is None:
         pytest.skip("no native layer loop here (no AVX-512 BF16 GEMM)")
     cfg, page = model.cfg, 16
@@ -240,7 +252,7 @@ def test_the_native_layer_loop_equals_the_python_one(bf16_model):
     perm = torch.randperm(64, generator=gen)
     lens = [5, 40, 17]  # decode rows: context including the new token
     dec_pages = torch.stack([perm[4 * i: 4 * i + 4] for i in range(3)]).contiguous()
-    spans_at = [(0, 37, perm[12:15].contiguous()), (20, 30, perm[15:19].contiguous())]  # (pos0, n, pages)
+    spans_at = [(p0, n, pages) for (p0, n), pages in zip(chunks, (perm[12:15].contiguous(), perm[15:19].contiguous()))]
     pos, slots = [], []
     for i, n in enumerate(lens):
         pos.append(n - 1)
@@ -252,9 +264,11 @@ def test_the_native_layer_loop_equals_the_python_one(bf16_model):
             pos.append(p)
             slots.append(int(pages[p // page]) * page + p % page)
         start += n
-    ends = torch.tensor([0, 1, 2, 3 + 37 - 1, 3 + 37 + 30 - 1])
+    (_, n0), (_, n1) = chunks
+    ends = torch.tensor([0, 1, 2, 3 + n0 - 1, 3 + n0 + n1 - 1])
     batch = ForwardBatch(torch.randint(0, cfg.vocab_size, (start,), generator=gen), torch.tensor(pos),
                          torch.tensor(slots), ends, DecodeRows(dec_pages, torch.tensor(lens)), spans)
+    assert model._goes_native(kv, batch) and model._table_for(batch)[1] == q8
     kv_python = kv.clone()
     got = model.forward(kv, batch)
     native = model.native

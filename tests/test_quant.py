@@ -110,6 +110,38 @@ def test_fp32_activations_with_bf16_weights_equal_f_linear_on_the_rounded_weight
             assert torch.equal(gemm(x[rows:2 * rows], packed, n), full[rows:2 * rows])
 
 
+def test_int8_kernel_computes_with_its_int8_weights_whatever_shares_the_step(level):
+    """The native int8 kernel (``--weights int8`` on small steps): bf16 and fp32 activations against fp32
+    F.linear on the dequantized weight (the scale applied after the sum: fp32 rounding apart, and one bf16
+    rounding of the output), the packed layout giving back exactly the int8 weights and scales, and a row's
+    result the same whatever rows share its step (one row runs wider panels than several)."""
+    from kvseal.model.quant import quantize_int8
+    gen = torch.Generator().manual_seed(8)
+    gemm = Gemm(library_path(level))
+    for n, k in ((960, 576), (576, 1536), (48 * 3 + 16, 64), (32, 32)):
+        w = (0.05 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
+        if not gemm.fits(w):
+            pytest.skip(f"no native GEMM at the {level} level")
+        q, scales = quantize_int8(w)
+        packed = gemm.pack_q8(q, scales)
+        q2, s2 = Gemm.unpack_q8(packed, n, k)
+        assert torch.equal(q2, q) and torch.equal(s2, scales.float())
+        deq = q.float() * scales.float()[:, None]
+        x = torch.randn(13, k, generator=gen)
+        bound = (x.abs() @ deq.abs().T) * 2.0**-20
+        full = gemm.q8(x, packed, n)
+        assert full.dtype == torch.float32 and ((full - x @ deq.T).abs() <= bound).all()
+        xb = x.to(torch.bfloat16)
+        fullb = gemm.q8(xb, packed, n)
+        ref = xb.float() @ deq.T
+        assert fullb.dtype == torch.bfloat16
+        assert ((fullb.float() - ref).abs() <= ref.abs() * 2.0**-8 + bound).all()
+        for rows in (1, 2, 3, 8, 9):
+            for a, xs in ((full, x), (fullb, xb)):
+                assert torch.equal(gemm.q8(xs[:rows].contiguous(), packed, n), a[:rows])
+                assert torch.equal(gemm.q8(xs[rows:2 * rows], packed, n), a[rows:2 * rows])
+
+
 def test_an_fp32_model_keeps_its_weights_exact_or_reads_them_as_bf16(monkeypatch):
     """``--weights fp32`` is F.linear on the exact weights; ``bf16`` in an fp32 model computes with the rounded
     weights, through the GEMM where it is built (no fp32 copy kept) and through F.linear on an fp32 copy of them

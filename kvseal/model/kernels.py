@@ -1,6 +1,6 @@
 """The project's own compiled kernels: paged decode and prefill attention that read the pool in place, the bf16
-linear layers (``csrc/gemm.cpp``), and the fused per-layer ops (residual add + RMSNorm, RoPE + K/V store,
-SiLU * up).
+and weight-only int8 linear layers (``csrc/gemm.cpp``), and the fused per-layer ops (residual add + RMSNorm,
+RoPE + K/V store, SiLU * up).
 
 ``csrc/*.cpp`` are built by the normal install (``setup.py``, g++ with OpenMP) once per instruction-set level
 into ``kvseal/model/_kernels_<level>*.so``; ``kvseal.model.cpu`` picks the level this CPU runs (or the one
@@ -162,6 +162,11 @@ class Gemm:
         self._silu_supported.argtypes, self._silu_supported.restype = [_I64, _I64], ctypes.c_int
         self._silu = lib.kvseal_gemm_silu_bf16
         self._silu.argtypes, self._silu.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
+        self._pack_q8 = lib.kvseal_gemm_pack_q8
+        self._pack_q8.argtypes, self._pack_q8.restype = [_PTR, _PTR, _I64, _I64, _PTR], None
+        self._q8 = {torch.bfloat16: lib.kvseal_gemm_q8_bf16, torch.float32: lib.kvseal_gemm_q8_f32}
+        for fn in self._q8.values():
+            fn.argtypes, fn.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
 
     def fits(self, w: torch.Tensor) -> bool:
         """Whether this library takes a weight of ``w``'s shape (any float dtype: ``pack`` stores it as bf16)."""
@@ -181,6 +186,33 @@ class Gemm:
         out = torch.empty((m, n), dtype=x.dtype)
         fn = self._gemm if x.dtype == torch.bfloat16 else self._gemm_f32
         fn(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, out.data_ptr())
+        return out
+
+    def pack_q8(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The int8 kernel's layout of ``q [N, K]`` int8 with a scale per row ``scales [N]``: a flat int8 tensor of
+        ``N * K`` weights and then the ``N`` scales as fp32 (``unpack_q8`` reverses it)."""
+        n, k = q.shape
+        assert q.dtype == torch.int8 and bool(self._supported(n, k))
+        q, scales = q.contiguous(), scales.to(torch.float32).contiguous()
+        packed = torch.empty(n * k + 4 * n, dtype=torch.int8)
+        assert packed.data_ptr() % 64 == 0
+        self._pack_q8(q.data_ptr(), scales.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    @staticmethod
+    def unpack_q8(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [N, K], scales [N])`` back from ``pack_q8``'s layout."""
+        q = packed[: n * k].view(n // 16, k, 16).permute(0, 2, 1).reshape(n, k)
+        return q, packed[n * k:].view(torch.float32)
+
+    def q8(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """``x @ (q * scales).T`` for ``packed`` from ``pack_q8``: each weight widened to fp32 in registers, fp32
+        sums in order, scaled once; bf16 ``x`` gives bf16 (rounded once), fp32 gives fp32. A row's result does not
+        depend on the other rows."""
+        m, k = x.shape
+        assert x.dtype in self._q8 and x.stride(1) == 1 and packed.numel() == n * k + 4 * n
+        out = torch.empty((m, n), dtype=x.dtype)
+        self._q8[x.dtype](x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, out.data_ptr())
         return out
 
     def silu_fits(self, w: torch.Tensor) -> bool:
@@ -205,21 +237,22 @@ class NativeLayers:
         lib = ctypes.CDLL(path)
         self._fn = lib.kvseal_layers_bf16
         f32 = ctypes.c_float
-        self._fn.argtypes = [_PTR, _I64, _PTR, *[_I64] * 6, f32, f32, *[_PTR] * 5, _I64, _I64, _PTR, _PTR, _I64, _I64,
+        self._fn.argtypes = [_PTR, _I64, _PTR, *[_I64] * 7, f32, f32, *[_PTR] * 5, _I64, _I64, _PTR, _PTR, _I64, _I64,
                              _PTR, *[_PTR] * 6, _PTR]
         self._fn.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, cfg: object, scale: float, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                  dec_pages: torch.Tensor | None, dec_lens: torch.Tensor | None, spans: torch.Tensor,
-                 times: ctypes.Array) -> None:
-        """Runs the layers over ``x [n, hidden]`` in place (the residual stream after the last layer)."""
+                 times: ctypes.Array, q8: bool = False) -> None:
+        """Runs the layers over ``x [n, hidden]`` in place (the residual stream after the last layer). ``q8``: the
+        table points to int8 weights (``Gemm.pack_q8``)."""
         n, hidden = x.shape
         heads, kvh, dim, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         bufs = [torch.empty((n, w), dtype=torch.bfloat16)
                 for w in (hidden, (heads + 2 * kvh) * dim, heads * dim, hidden, 2 * inter, inter)]
         n_dec = 0 if dec_pages is None else dec_pages.shape[0]
-        ok = self._fn(x.data_ptr(), n, weights.data_ptr(), weights.shape[0], hidden, heads, kvh, dim, inter,
+        ok = self._fn(x.data_ptr(), n, weights.data_ptr(), int(q8), weights.shape[0], hidden, heads, kvh, dim, inter,
                       cfg.rms_eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                       kv.data_ptr(), kv.shape[4], n_dec, None if n_dec == 0 else dec_pages.data_ptr(),
                       None if n_dec == 0 else dec_lens.data_ptr(), 0 if n_dec == 0 else dec_pages.shape[1],

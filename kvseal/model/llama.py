@@ -162,35 +162,42 @@ class LlamaModel:
                 if release and linear.release():
                     setattr(x, field, linear.weight)
         self.native_table = self._native_table()
+        self.native_table_q8 = self._native_table(q8=True) if mode == "int8" else None
         # the (tied) embedding is not a 4-bit tensor in GGUF files: int4 there costs real accuracy, int8 not
         self.head = Linear(self.w.lm_head, None, "int8" if mode == "int4" else mode, small_rows,
                            packed=None if given is None else given["head.packed"])
         if release and not self.cfg.tie_embeddings and self.head.release():
             self.w.lm_head = self.head.weight
 
-    def _native_table(self) -> torch.Tensor | None:
+    def _native_table(self, q8: bool = False) -> torch.Tensor | None:
         """Per layer, pointers to its norms and packed weights for ``NativeLayers`` (None: some linear layer
-        or norm is not in the native GEMM's form)."""
+        or norm is not in the native GEMM's form). ``q8``: the int8 weights of ``--weights int8``."""
         if self.native is None or self.fused is None or self.decode_kernel is None:
             return None
         rows = []
         for layer, lin in zip(self.w.layers, self.lin):
             linears = (lin.qkv, lin.o, lin.gate_up, lin.down)
             norms = (layer.attn_norm, layer.mlp_norm)
-            if any(x.gemm is None for x in linears) or any(not t.is_contiguous() or t.dtype != self.dtype
-                                                          for t in norms):
+            if any((x.q8 if q8 else x.packed) is None or x.gemm is None for x in linears) or any(
+                    not t.is_contiguous() or t.dtype != self.dtype for t in norms):
                 return None
-            rows.append([layer.attn_norm.data_ptr(), lin.qkv.packed.data_ptr(), lin.o.packed.data_ptr(),
-                         layer.mlp_norm.data_ptr(), lin.gate_up.packed.data_ptr(), lin.down.packed.data_ptr()])
+            qkv, o, gate_up, down = ((x.q8 if q8 else x.packed).data_ptr() for x in linears)
+            rows.append([layer.attn_norm.data_ptr(), qkv, o, layer.mlp_norm.data_ptr(), gate_up, down])
         return torch.tensor(rows, dtype=torch.int64)
 
+    def _table_for(self, b: ForwardBatch) -> tuple[torch.Tensor | None, bool]:
+        """The native table a step of ``b``'s rows runs with, and whether it holds int8 weights: int8/int4
+        modes take their own kernels for steps of at most ``small_rows`` rows (int8's is native too)."""
+        if self.weights_mode == "bf16" or b.input_ids.shape[0] > self.small_rows:
+            return self.native_table, False
+        return self.native_table_q8, True
+
     def _goes_native(self, kv: torch.Tensor, b: ForwardBatch) -> bool:
-        """Can this batch run the native layer loop: every op it needs has its kernel and the linear layers use
-        the bf16 GEMM at this row count (int8/int4 modes take their own kernels for small steps)."""
+        """Can this batch run the native layer loop: every op it needs has its kernel, and so do the linear
+        layers at this row count (``_table_for``)."""
         cfg, k = self.cfg, self.decode_kernel
-        return (self.native_table is not None and self.native is not None and self.fused is not None
+        return (self._table_for(b)[0] is not None and self.native is not None and self.fused is not None
                 and k is not None and kv.dtype == self.dtype and k.fits(kv)
-                and (self.weights_mode == "bf16" or b.input_ids.shape[0] > self.small_rows)
                 and (not b.spans or k.prefill_takes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv)))
 
     def _layers_native(self, kv: torch.Tensor, b: ForwardBatch, x: torch.Tensor) -> tuple[torch.Tensor, float, float]:
@@ -199,9 +206,10 @@ class LlamaModel:
         assert all(s.pages.dtype == torch.int64 and s.pages.is_contiguous() for s in b.spans)
         times = (ctypes.c_double * 2)()
         d = b.decode
-        self.native(x, self.native_table, self.cfg, self.cfg.head_dim**-0.5, self.cos, self.sin,
+        table, q8 = self._table_for(b)
+        self.native(x, table, self.cfg, self.cfg.head_dim**-0.5, self.cos, self.sin,
                     b.positions.contiguous(), b.write_slots.contiguous(), kv, None if d is None else d.pages.contiguous(),
-                    None if d is None else d.lens.contiguous(), spans, times)
+                    None if d is None else d.lens.contiguous(), spans, times, q8=q8)
         return x, times[0], times[1]
 
     @torch.inference_mode()

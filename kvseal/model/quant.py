@@ -14,8 +14,9 @@ where this CPU runs oneDNN's bf16 path (AVX-512, ``kvseal.model.cpu``), else it 
 computes with the same weights. ``fp32`` (an fp32 model only) keeps the exact weights and plain ``F.linear``:
 the reference. ``int8`` (per-output-channel symmetric scales) and ``int4`` (groups of 32 along K,
 asymmetric: scale and zero per group, the same grid as GGUF's Q4_1 blocks) keep a packed copy beside the
-bf16 weight and use PyTorch's own weight-only kernels (``_weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``) when a step has at most ``small_rows`` rows: a decode step of a few streams
+bf16 weight for the steps of at most ``small_rows`` rows: int8 through the project's kernel where the GEMM is
+built (``Gemm.q8``: each weight widened to fp32 in registers, fp32 sums, for bf16 or fp32 activations), else
+PyTorch's ``_weight_int8pack_mm``; int4 through PyTorch's ``_weight_int4pack_mm_for_cpu``: a decode step of a few streams
 reads every weight once for very little arithmetic, so it is bound by the bytes read, and 1 or ½ byte per
 weight beats 2. Larger steps are compute-bound, where the packed kernels are no faster, and use bf16.
 
@@ -49,11 +50,17 @@ class Linear:
         self.weight, self.bias, self.mode, self.small_rows = weight, bias, mode, small_rows
         if mode in ("int8", "int4") and weight.shape[1] % INT4_GROUP:
             self.mode = "bf16"  # odd shapes keep the bf16 path
+        gemm = load_gemm()
+        self.q8: torch.Tensor | None = None  # int8 weights in the native kernel's layout, scales included
         if self.mode == "int8":
-            self.q, self.scales = quantize_int8(weight)
+            q, scales = quantize_int8(weight)
+            if gemm is not None and gemm.fits(weight):
+                self.q8, self.q8_gemm = gemm.pack_q8(q, scales), gemm
+                self.q = self.scales = None
+            else:
+                self.q, self.scales = q, scales
         elif self.mode == "int4":
             self.q, self.scales = quantize_int4(weight)
-        gemm = load_gemm()
         if packed is not None:
             if mode != "bf16" or bias is not None or gemm is None or not gemm.fits(weight):
                 raise ValueError("a packed weight needs the bf16 GEMM at this kernel level")
@@ -86,15 +93,24 @@ class Linear:
             if self.packed is None:
                 return F.linear(x, self.plain, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        if self.mode == "int8":
+        if self.q8 is not None:
+            y = self.q8_gemm.q8(x, self.q8, self.weight.shape[0])
+        elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.scales)
         return y if self.bias is None else y + self.bias
 
+    def int8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weights and their per-row scales."""
+        if self.q8 is not None:
+            return Gemm.unpack_q8(self.q8, *self.weight.shape)
+        return self.q, self.scales
+
     def dequantized(self) -> torch.Tensor:
         if self.mode == "int8":
-            return (self.q.float() * self.scales.float()[:, None]).to(self.weight.dtype)
+            q, scales = self.int8()
+            return (q.float() * scales.float()[:, None]).to(self.weight.dtype)
         if self.mode == "int4":
             return dequantize_int4(*int4_codes(self.weight)).to(self.weight.dtype)
         return self._mode_weight()

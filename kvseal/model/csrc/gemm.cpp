@@ -199,6 +199,85 @@ void panel(const TX* x, int64_t ldx, int64_t m, const uint16_t* wp, int64_t npai
   rows_tail<RM - 1, NB>(x + i * ldx, ldx, m - i, wp, npairs, block, out + i * ldo, ldo);
 }
 
+// int8 weights (weight-only, a scale per output column): block b holds, for each input feature, its 16 columns'
+// int8 weights side by side ([n / 16][k][16] bytes, then the n fp32 scales). Each weight is widened to fp32 in
+// registers; a column's sum runs over k in order, in fp32, and is scaled once at the end.
+#if defined(__AVX512F__)
+inline vf widen_q8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf mul(vf a, const float* s) { return _mm512_mul_ps(a, _mm512_loadu_ps(s)); }
+#else
+inline vf widen_q8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf mul(vf a, const float* s) { return _mm256_mul_ps(a, _mm256_loadu_ps(s)); }
+#endif
+
+template <int R, int NB, typename TX, typename TO>
+inline void micro_q8(const TX* x, int64_t ldx, const int8_t* wp, int64_t k, const float* scales, TO* out,
+                     int64_t ldo) {
+  constexpr int C = NB * VB;
+  const int64_t block = k * 16;
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t i = 0; i < k; ++i) {
+    vf w[C];
+    for (int j = 0; j < NB; ++j)
+      for (int v = 0; v < VB; ++v) w[j * VB + v] = widen_q8(wp + j * block + i * 16 + v * VW);
+    for (int r = 0; r < R; ++r) {
+      const vf a = bcast(xval(x + r * ldx, i));
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(a, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(out + r * ldo + VW * c, mul(acc[r][c], scales + VW * c));
+}
+
+template <int R, int NB, typename TX, typename TO>
+inline void rows_tail_q8(const TX* x, int64_t ldx, int64_t left, const int8_t* wp, int64_t k, const float* scales,
+                         TO* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (left == R) return micro_q8<R, NB>(x, ldx, wp, k, scales, out, ldo);
+    rows_tail_q8<R - 1, NB>(x, ldx, left, wp, k, scales, out, ldo);
+  }
+}
+
+template <int NB, typename TX, typename TO>
+void panel_q8(const TX* x, int64_t ldx, int64_t m, const int8_t* wp, int64_t k, const float* scales, TO* out,
+              int64_t ldo) {
+  int64_t i = 0;
+  for (; i + RM <= m; i += RM) micro_q8<RM, NB>(x + i * ldx, ldx, wp, k, scales, out + i * ldo, ldo);
+  rows_tail_q8<RM - 1, NB>(x + i * ldx, ldx, m - i, wp, k, scales, out + i * ldo, ldo);
+}
+
+// One row (batch-1 decode) with 8 lanes: panels of 3 blocks, so that 6 independent sums hide the FMA latency
+// (one block's 2 would wait on it); more rows fill the registers with rows instead.
+template <typename TX, typename TO>
+void gemm_q8(const TX* x, int64_t ldx, int64_t m, const int8_t* packed, int64_t n, int64_t k, TO* out) {
+  const int64_t nbm = (NBM == 3 || m == 1) ? 3 : 1;
+  const int64_t blocks = n / 16, panels = (blocks + nbm - 1) / nbm;
+  const float* scales = reinterpret_cast<const float*>(packed + n * k);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t b0 = nbm * p, nb = blocks - b0 < nbm ? blocks - b0 : nbm;
+    const int8_t* wp = packed + b0 * k * 16;
+    TO* o = out + b0 * 16;
+    const float* s = scales + b0 * 16;
+    if (nb == 3 && m == 1)
+      micro_q8<1, 3>(x, ldx, wp, k, s, o, n);
+    else if (nb == 2 && m == 1)
+      micro_q8<1, 2>(x, ldx, wp, k, s, o, n);
+    else if (nb == 3)
+      panel_q8<3>(x, ldx, m, wp, k, s, o, n);
+    else if (nb == 2)
+      panel_q8<2>(x, ldx, m, wp, k, s, o, n);
+    else
+      panel_q8<1>(x, ldx, m, wp, k, s, o, n);
+  }
+}
+
 template <typename TX, typename TO>
 void gemm(const TX* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k, TO* out) {
   const int64_t blocks = n / 16, panels = (blocks + NBM - 1) / NBM, npairs = k / 2;
@@ -278,6 +357,36 @@ void kvseal_gemm_f32(const float* x, int64_t ldx, int64_t m, const uint16_t* pac
                      float* out) {
 #if defined(__AVX2__)
   wide::gemm(x, ldx, m, packed, n, k, out);
+#else
+  (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
+#endif
+}
+
+// int8 weights: q [n, k] int8 row-major and scales [n] fp32 -> packed [n / 16][k][16] int8, then the n scales
+// (the caller allocates n * k + 4 n bytes, 64-byte aligned). Same shapes as kvseal_gemm_supported.
+void kvseal_gemm_pack_q8(const int8_t* q, const float* scales, int64_t n, int64_t k, int8_t* packed) {
+#pragma omp parallel for
+  for (int64_t b = 0; b < n / 16; ++b)
+    for (int64_t i = 0; i < k; ++i)
+      for (int c = 0; c < 16; ++c) packed[(b * k + i) * 16 + c] = q[(b * 16 + c) * k + i];
+  std::memcpy(packed + n * k, scales, static_cast<size_t>(n) * sizeof(float));
+}
+
+// out [m, n] = x [m, k] @ (q * scales).T, q packed by kvseal_gemm_pack_q8: each weight widened to fp32, fp32
+// FMAs in order of k, the column's scale applied once; bf16 x gives a bf16 out (rounded once), fp32 x fp32
+void kvseal_gemm_q8_bf16(const uint16_t* x, int64_t ldx, int64_t m, const int8_t* packed, int64_t n, int64_t k,
+                         uint16_t* out) {
+#if defined(__AVX2__)
+  wide::gemm_q8(x, ldx, m, packed, n, k, out);
+#else
+  (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
+#endif
+}
+
+void kvseal_gemm_q8_f32(const float* x, int64_t ldx, int64_t m, const int8_t* packed, int64_t n, int64_t k,
+                        float* out) {
+#if defined(__AVX2__)
+  wide::gemm_q8(x, ldx, m, packed, n, k, out);
 #else
   (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
 #endif

@@ -17,6 +17,8 @@ void kvseal_rope_store_bf16(uint16_t* qkv, int64_t n, int64_t row_stride, int64_
 void kvseal_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t n, int64_t inter);
 void kvseal_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k,
                       uint16_t* out);
+void kvseal_gemm_q8_bf16(const uint16_t* x, int64_t ldx, int64_t m, const int8_t* packed, int64_t n, int64_t k,
+                         uint16_t* out);
 int kvseal_gemm_silu_supported(int64_t inter, int64_t k);
 void kvseal_gemm_silu_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t inter,
                            int64_t k, uint16_t* out);
@@ -35,7 +37,9 @@ int kvseal_prefill_attention_bf16(const uint16_t* q, int64_t q_row_stride, const
 // chunks. Scratch: h, o [n, hidden], qkv [n, (heads + 2 kv_heads) dim], a [n, heads dim], gu [n, 2 inter],
 // act [n, inter]. times[0] += seconds in the GEMMs, times[1] += seconds in attention. Returns 0 if a prefill
 // chunk's shape is not taken by the kernel (the caller checks first; nothing is then trustworthy).
-int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t layers, int64_t hidden,
+// q8: the four weights are int8, packed by kvseal_gemm_pack_q8 (--weights int8 on a small step), and SiLU * up
+// runs after the gate/up GEMM instead of in its epilogue.
+int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t q8, int64_t layers, int64_t hidden,
                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps, float scale,
                        const uint16_t* cos, const uint16_t* sin, const int64_t* positions, const int64_t* slots,
                        uint16_t* kv, int64_t page_size, int64_t n_dec, const int64_t* dec_pages,
@@ -47,14 +51,20 @@ int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t l
   double t_lin = 0, t_att = 0;
   auto secs = [](clock::time_point a0, clock::time_point a1) { return std::chrono::duration<double>(a1 - a0).count(); };
   const uint16_t* delta = nullptr;  // the last layer's output, not yet added to x
-  const bool fuse_silu = kvseal_gemm_silu_supported(inter, hidden) != 0;
+  const bool fuse_silu = !q8 && kvseal_gemm_silu_supported(inter, hidden) != 0;
+  auto linear = [q8](const uint16_t* in, int64_t m, int64_t w, int64_t n_out, int64_t k, uint16_t* out) {
+    if (q8)
+      kvseal_gemm_q8_bf16(in, k, m, reinterpret_cast<const int8_t*>(w), n_out, k, out);
+    else
+      kvseal_gemm_bf16(in, k, m, reinterpret_cast<const uint16_t*>(w), n_out, k, out);
+  };
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t* w = weights + 6 * i;
     const auto* attn_norm = reinterpret_cast<const uint16_t*>(w[0]);
     const auto* mlp_norm = reinterpret_cast<const uint16_t*>(w[3]);
     kvseal_add_rms_norm_bf16(x, delta, attn_norm, h, n, hidden, eps);
     auto t0 = clock::now();
-    kvseal_gemm_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[1]), qkv_w, hidden, qkv);
+    linear(h, n, w[1], qkv_w, hidden, qkv);
     auto t1 = clock::now();
     kvseal_rope_store_bf16(qkv, n, qkv_w, heads, kv_heads, dim, cos, sin, positions, kv, slots, layers, i, page_size);
     auto t2 = clock::now();
@@ -69,17 +79,17 @@ int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t l
         return 0;
     }
     auto t3 = clock::now();
-    kvseal_gemm_bf16(a, q_w, n, reinterpret_cast<const uint16_t*>(w[2]), hidden, q_w, o);
+    linear(a, n, w[2], hidden, q_w, o);
     auto t4 = clock::now();
     kvseal_add_rms_norm_bf16(x, o, mlp_norm, h, n, hidden, eps);
     auto t5 = clock::now();
     if (fuse_silu) {  // the same values as the two calls below, without the [n, 2 inter] product in memory
       kvseal_gemm_silu_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[4]), inter, hidden, act);
     } else {
-      kvseal_gemm_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[4]), 2 * inter, hidden, gu);
+      linear(h, n, w[4], 2 * inter, hidden, gu);
       kvseal_silu_mul_bf16(gu, act, n, inter);
     }
-    kvseal_gemm_bf16(act, inter, n, reinterpret_cast<const uint16_t*>(w[5]), hidden, inter, o);
+    linear(act, n, w[5], hidden, inter, o);
     t_lin += secs(t0, t1) + secs(t3, t4) + secs(t5, clock::now());
     t_att += secs(t2, t3);
     delta = o;
