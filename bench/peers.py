@@ -229,24 +229,28 @@ def main() -> None:
     ap.add_argument("--llama-quants", default="Q4_1,Q8_0", help="GGUF types for --llama-server")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--kvseal-modes", default="colocated,disaggregated")
+    ap.add_argument("--cases", default="", help="a subset of the cases, e.g. '1x128->128,32x128->128'")
     ap.add_argument("--out", default="bench/out/peers")
     a = ap.parse_args()
+    cases = [c for c in CASES if not a.cases or f"{c[0]}x{c[1]}->{c[2]}" in a.cases.split(",")]
+    if not cases:
+        ap.error(f"--cases names none of {[f'{c[0]}x{c[1]}->{c[2]}' for c in CASES]}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    servers = {f"kvseal_{m}": (*kvseal_cmd(m, 8600), 8600, CASES) for m in a.kvseal_modes.split(",")}
+    servers = {f"kvseal_{m}": (*kvseal_cmd(m, 8600), 8600, cases) for m in a.kvseal_modes.split(",")}
     if a.llama_server:
         for q in a.llama_quants.split(","):
             servers[f"llama_server_{q}"] = (llama_server_cmd(a.llama_server, llama_gguf(a.llama_server, q, out.parent),
-                                                             8603), {}, 8603, CASES)
+                                                             8603), {}, 8603, cases)
     if a.vllm_venv and (a.vllm_venv / "bin/python").exists() and a.hf_dir:
         if not Path(a.hf_dir).exists():
             write_hf_dir(Path(a.hf_dir))
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
-        servers["vllm"] = (vllm_cmd(a.vllm_venv, a.hf_dir, 8601, a.vllm_args.split()), env, 8601, CASES)
+        servers["vllm"] = (vllm_cmd(a.vllm_venv, a.hf_dir, 8601, a.vllm_args.split()), env, 8601, cases)
     else:
         print("vLLM skipped: give --vllm-venv (a virtualenv with vllm-cpu) and --hf-dir", file=sys.stderr)
     if a.llamacpp_venv and (a.llamacpp_venv / "bin/python").exists():
-        single = [c for c in CASES if c[0] == 1]
+        single = [c for c in cases if c[0] == 1]
         servers["llamacpp"] = (llamacpp_cmd(a.llamacpp_venv, 8602), {}, 8602, single)
     runs: dict[str, list[dict]] = {name: [] for name in servers}
     start_lines: dict[str, str] = {}
@@ -267,7 +271,7 @@ def main() -> None:
                   flush=True)
     from kvseal.machine import facts
 
-    result = {"machine": facts(), "start_lines": start_lines, "cases": CASES, "reps": a.reps, "runs": runs,
+    result = {"machine": facts(), "start_lines": start_lines, "cases": cases, "reps": a.reps, "runs": runs,
               **summarize(runs)}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
