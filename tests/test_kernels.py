@@ -225,30 +225,35 @@ def test_prefill_kernel_is_as_accurate_as_bf16_sdpa(kernel):
     assert err_kernel <= 1.15 * err_rounded and err_kernel <= err_sdpa
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
-def test_the_native_layer_loop_equals_the_python_one(bf16_model, weights):
+@pytest.mark.parametrize("dtype,weights", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "bf16"), ("fp32", "int8")])
+def test_the_native_layer_loop_equals_the_python_one(bf16_model, fp32_model, dtype, weights):
     """``NativeLayers`` (the layer loop in one native call) runs the same kernels in the same order as
-    ``_layers_fused``: a step mixing decode rows of ragged lengths with two prefill chunks (one from position 0,
-    one over earlier pages) gives bit-identical logits and writes bit-identical K/V into the pool. With
-    ``--weights int8`` a step of at most 8 rows runs the int8 kernel in both loops."""
-    model = bf16_model.model
-    if weights == "bf16":
-        return _native_loop_equals_python(model, [(0, 37), (20, 30)])
-    model.use_weights("int8")
+    ``_layers_fused``: a bf16 step mixing decode rows of ragged lengths with two prefill chunks (one from
+    position 0, one over earlier pages) gives bit-identical logits and writes bit-identical K/V into the pool.
+    With ``--weights int8`` a step of at most 8 rows runs the int8 kernel in both loops. fp32 (``--dtype auto``
+    without bf16 dot products; bf16 or int8 weights read by the GEMMs), and any dtype at a level without the
+    prefill kernel, take steps of decode rows alone."""
+    model = (bf16_model if dtype == "bf16" else fp32_model).model
+    k, cfg = model.decode_kernel, model.cfg
+    prefill = k is not None and k.prefill_takes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                torch.empty(1, 1, 1, 1, 16, dtype=model.dtype))
+    chunks = ([(0, 37), (20, 30)] if weights == "bf16" else [(0, 3), (20, 2)]) if prefill else []
+    before = model.weights_mode
+    model.use_weights(weights)
     try:
-        _native_loop_equals_python(model, [(0, 3), (20, 2)], q8=True)
+        _native_loop_equals_python(model, chunks, q8=weights == "int8")
     finally:
-        model.use_weights("bf16")
+        model.use_weights(before)
 
 
-def _native_loop_equals_python(model, chunks: list[tuple[int, int]], q8: bool = False) -> None:
+def _native_loop_equals_python(model, chunks: list[tuple[int, int]], q8: bool) -> None:
     from kvseal.model.attention import DecodeRows, Span
     from kvseal.model.llama import ForwardBatch
     if model.native_table is None:
-        pytest.skip("no native layer loop here (no AVX-512 BF16 GEMM)")
+        pytest.skip("no native layer loop here (no native GEMM)")
     cfg, page = model.cfg, 16
     gen = torch.Generator().manual_seed(5)
-    kv = (0.5 * torch.randn(64, cfg.num_layers, 2, cfg.num_kv_heads, page, cfg.head_dim, generator=gen)).to(torch.bfloat16)
+    kv = (0.5 * torch.randn(64, cfg.num_layers, 2, cfg.num_kv_heads, page, cfg.head_dim, generator=gen)).to(model.dtype)
     perm = torch.randperm(64, generator=gen)
     lens = [5, 40, 17]  # decode rows: context including the new token
     dec_pages = torch.stack([perm[4 * i: 4 * i + 4] for i in range(3)]).contiguous()
@@ -257,17 +262,16 @@ def _native_loop_equals_python(model, chunks: list[tuple[int, int]], q8: bool = 
     for i, n in enumerate(lens):
         pos.append(n - 1)
         slots.append(int(dec_pages[i, (n - 1) // page]) * page + (n - 1) % page)
-    spans, start = [], len(lens)
+    spans, start, ends = [], len(lens), list(range(len(lens)))
     for p0, n, pages in spans_at:
         spans.append(Span(start, n, p0, pages))
         for p in range(p0, p0 + n):
             pos.append(p)
             slots.append(int(pages[p // page]) * page + p % page)
         start += n
-    (_, n0), (_, n1) = chunks
-    ends = torch.tensor([0, 1, 2, 3 + n0 - 1, 3 + n0 + n1 - 1])
+        ends.append(start - 1)
     batch = ForwardBatch(torch.randint(0, cfg.vocab_size, (start,), generator=gen), torch.tensor(pos),
-                         torch.tensor(slots), ends, DecodeRows(dec_pages, torch.tensor(lens)), spans)
+                         torch.tensor(slots), torch.tensor(ends), DecodeRows(dec_pages, torch.tensor(lens)), spans)
     assert model._goes_native(kv, batch) and model._table_for(batch)[1] == q8
     kv_python = kv.clone()
     got = model.forward(kv, batch)

@@ -230,16 +230,18 @@ class Gemm:
 
 
 class NativeLayers:
-    """All decoder layers of one bf16 forward in one call (``csrc/layers.cpp``): the kernels of
-    ``LlamaModel._layers_fused`` in the same order, without the Python loop around them."""
+    """All decoder layers of one forward in one call (``csrc/layers.cpp``): the kernels of
+    ``LlamaModel._layers_fused`` in the same order, without the Python loop around them. bf16, or fp32 for
+    steps of decode rows only (there is no fp32 prefill kernel)."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
-        self._fn = lib.kvseal_layers_bf16
+        self._fns = {torch.bfloat16: lib.kvseal_layers_bf16, torch.float32: lib.kvseal_layers_f32}
         f32 = ctypes.c_float
-        self._fn.argtypes = [_PTR, _I64, _PTR, *[_I64] * 7, f32, f32, *[_PTR] * 5, _I64, _I64, _PTR, _PTR, _I64, _I64,
-                             _PTR, *[_PTR] * 6, _PTR]
-        self._fn.restype = ctypes.c_int
+        for fn in self._fns.values():
+            fn.argtypes = [_PTR, _I64, _PTR, *[_I64] * 7, f32, f32, *[_PTR] * 5, _I64, _I64, _PTR, _PTR, _I64, _I64,
+                           _PTR, *[_PTR] * 6, _PTR]
+            fn.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, cfg: object, scale: float, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
@@ -249,10 +251,10 @@ class NativeLayers:
         table points to int8 weights (``Gemm.pack_q8``)."""
         n, hidden = x.shape
         heads, kvh, dim, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-        bufs = [torch.empty((n, w), dtype=torch.bfloat16)
+        bufs = [torch.empty((n, w), dtype=x.dtype)
                 for w in (hidden, (heads + 2 * kvh) * dim, heads * dim, hidden, 2 * inter, inter)]
         n_dec = 0 if dec_pages is None else dec_pages.shape[0]
-        ok = self._fn(x.data_ptr(), n, weights.data_ptr(), int(q8), weights.shape[0], hidden, heads, kvh, dim, inter,
+        ok = self._fns[x.dtype](x.data_ptr(), n, weights.data_ptr(), int(q8), weights.shape[0], hidden, heads, kvh, dim, inter,
                       cfg.rms_eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                       kv.data_ptr(), kv.shape[4], n_dec, None if n_dec == 0 else dec_pages.data_ptr(),
                       None if n_dec == 0 else dec_lens.data_ptr(), 0 if n_dec == 0 else dec_pages.shape[1],

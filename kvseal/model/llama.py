@@ -132,8 +132,8 @@ class LlamaModel:
         self.decode_kernel = load_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype) if kernels else None
         # the fused norm / rope+store / silu ops when they were built (None: the plain PyTorch ops)
         self.fused = load_fused_ops(cfg.head_dim, dtype) if kernels else None
-        # the whole layer loop in one native call, when every piece of it is native (bf16 only)
-        self.native = load_native_layers() if dtype == torch.bfloat16 and kernels else None
+        # the whole layer loop in one native call, when every piece of it is native (bf16; fp32 for decode rows)
+        self.native = load_native_layers() if dtype in (torch.bfloat16, torch.float32) and kernels else None
         self.use_weights(mode or ("bf16" if dtype == torch.bfloat16 else "fp32"), release=release)
 
     def use_weights(self, mode: str, small_rows: int = 8, release: bool = False) -> None:
