@@ -254,11 +254,12 @@ class NativeLayers:
         bufs = [torch.empty((n, w), dtype=x.dtype)
                 for w in (hidden, (heads + 2 * kvh) * dim, heads * dim, hidden, 2 * inter, inter)]
         n_dec = 0 if dec_pages is None else dec_pages.shape[0]
-        ok = self._fns[x.dtype](x.data_ptr(), n, weights.data_ptr(), int(q8), weights.shape[0], hidden, heads, kvh, dim, inter,
-                      cfg.rms_eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                      kv.data_ptr(), kv.shape[4], n_dec, None if n_dec == 0 else dec_pages.data_ptr(),
-                      None if n_dec == 0 else dec_lens.data_ptr(), 0 if n_dec == 0 else dec_pages.shape[1],
-                      spans.shape[0], spans.data_ptr(), *[t.data_ptr() for t in bufs], times)
+        ok = self._fns[x.dtype](
+            x.data_ptr(), n, weights.data_ptr(), int(q8), weights.shape[0], hidden, heads, kvh, dim, inter,
+            cfg.rms_eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            kv.data_ptr(), kv.shape[4], n_dec, None if n_dec == 0 else dec_pages.data_ptr(),
+            None if n_dec == 0 else dec_lens.data_ptr(), 0 if n_dec == 0 else dec_pages.shape[1],
+            spans.shape[0], spans.data_ptr(), *[t.data_ptr() for t in bufs], times)
         assert ok, "native layers called with a prefill chunk the kernel does not take"
 
 
