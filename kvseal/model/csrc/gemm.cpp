@@ -265,11 +265,7 @@ void gemm_q8(const TX* x, int64_t ldx, int64_t m, const int8_t* packed, int64_t 
     const int8_t* wp = packed + b0 * k * 16;
     TO* o = out + b0 * 16;
     const float* s = scales + b0 * 16;
-    if (nb == 3 && m == 1)
-      micro_q8<1, 3>(x, ldx, wp, k, s, o, n);
-    else if (nb == 2 && m == 1)
-      micro_q8<1, 2>(x, ldx, wp, k, s, o, n);
-    else if (nb == 3)
+    if (nb == 3)
       panel_q8<3>(x, ldx, m, wp, k, s, o, n);
     else if (nb == 2)
       panel_q8<2>(x, ldx, m, wp, k, s, o, n);

@@ -138,13 +138,9 @@ int layers_loop(T* x, int64_t n, const int64_t* weights, int64_t q8, int64_t lay
     auto t4 = clock::now();
     norm(x, o, mlp_norm, h, n, hidden, eps);
     auto t5 = clock::now();
-    if constexpr (sizeof(T) == 2) {
-      if (fuse_silu) {  // the same values as the two calls below, without the [n, 2 inter] product in memory
+    if (fuse_silu) {  // the same values as the two calls below, without the [n, 2 inter] product in memory
+      if constexpr (sizeof(T) == 2)
         kvseal_gemm_silu_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[4]), inter, hidden, act);
-      } else {
-        gemm(h, n, w[4], 2 * inter, hidden, gu, q8);
-        silu_mul(gu, act, n, inter);
-      }
     } else {
       gemm(h, n, w[4], 2 * inter, hidden, gu, q8);
       silu_mul(gu, act, n, inter);
