@@ -134,13 +134,13 @@ def as_text() -> Callable[[list[int]], str]:
     return lambda ids: tok.decode(ids)
 
 
-def measure(url: str, cases: list[tuple[int, int, int]], text: bool = False) -> dict:
+def measure(url: str, cases: list[tuple[int, int, int]], text: bool = False, requests: int = 1) -> dict:
     out = {}
     # llama.cpp's server has no ignore_eos: end-of-text tokens are banned instead, so every answer is full length
     kw = {"as_text": as_text(), "extra": {"logit_bias": {"0": -100, "1": -100, "2": -100}}} if text else {}
     for streams, prompt, output in cases:
         try:
-            r = asyncio.run(level(url, MODEL, streams, prompt, output, 1, **kw))
+            r = asyncio.run(level(url, MODEL, streams, prompt, output, requests, **kw))
         except (RuntimeError, httpx.HTTPError) as e:  # a failed request fails the case, recorded; the others run
             out[f"{streams}x{prompt}->{output}"] = {"error": str(e)[:300]}
             continue
@@ -152,11 +152,14 @@ def measure(url: str, cases: list[tuple[int, int, int]], text: bool = False) -> 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
     keys = ("output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "prefill_tok_s")
+    # over the runs that finished; a failed run (its error recorded in ``runs``) is counted in ``failed_runs``
     means = {name: {case: {k: float(np.mean([r[case][k] for r in rs if k in r[case]]))
-                           for k in keys if all(k in r[case] for r in rs)}
+                           for k in keys if any(k in r[case] for r in rs)}
                     for case in rs[0]} for name, rs in runs.items() if rs}
+    failed = {name: {case: n for case in rs[0] if (n := sum("error" in r[case] for r in rs))}
+              for name, rs in runs.items() if rs}
     peers = [n for n in means if not n.startswith("kvseal")]
-    return {"means": means, "kvseal_over_vllm": ratios_to(means, "vllm"),
+    return {"means": means, "failed_runs": {n: f for n, f in failed.items() if f}, "kvseal_over_vllm": ratios_to(means, "vllm"),
             "kvseal_over_llamacpp": ratios_to(means, "llamacpp"),
             **{f"kvseal_over_{n}": ratios_to(means, n) for n in peers if n.startswith("llama_server")},
             "kvseal_over_best_peer": over_best(means, peers)}
@@ -230,6 +233,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--kvseal-modes", default="colocated,disaggregated")
     ap.add_argument("--cases", default="", help="a subset of the cases, e.g. '1x128->128,32x128->128'")
+    ap.add_argument("--requests", type=int, default=1,
+                    help="requests per stream in each run (one 1-stream request is ~1.5 s: noisy alone)")
     ap.add_argument("--out", default="bench/out/peers")
     a = ap.parse_args()
     cases = [c for c in CASES if not a.cases or f"{c[0]}x{c[1]}->{c[2]}" in a.cases.split(",")]
@@ -261,7 +266,7 @@ def main() -> None:
             log = out.parent / f"peers-{name}.log"
             p = Proc(cmd, env, port, log)
             try:
-                runs[name].append(measure(p.url, cases, text=name.startswith("llama")))
+                runs[name].append(measure(p.url, cases, text=name.startswith("llama"), requests=a.requests))
             finally:
                 p.stop()
             if name.startswith("kvseal"):
