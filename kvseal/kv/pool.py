@@ -183,8 +183,8 @@ class PagePool:
         """One vectorized comparison of a batch's page tables [B, P] with the tags: ok per request [B]. A page
         passes if the request owns it, or if it is SHARED and owned by the request's group or by its tenant's
         cache namespace; and, given ``tenants``, only if it is tagged with the request's tenant. NumPy over
-        views of the tag tensors (the same memory): a step's check costs a few microseconds of array calls
-        where PyTorch's per-op overhead made it 0.3 ms, ~3% of a one-stream decode step."""
+        views of the tag tensors (the same memory): in a one-stream step, right after the weights have
+        streamed through the caches, it takes 0.20 ms where PyTorch's per-op overhead made it 0.31 ms."""
         table, valid = np.asarray(table), np.asarray(valid)
         owner, state = self.owner.numpy()[table], self.state.numpy()[table]
         mine = (owner == np.asarray(owners)[:, None]) & (state == PageState.OWNED)
