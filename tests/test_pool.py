@@ -72,7 +72,7 @@ def test_a_page_tagged_for_another_tenant_fails_the_tag_check():
 
 def test_a_run_from_before_its_pages_were_freed_fails_the_check():
     """The same request id holds the same pages again (a reused id): owner, state and tenant match, only the
-    generation tells the old run from the new one."""
+    generation tells the old run from the new one, in the commit-side check (run_ok) and the read-side one."""
     pool = small_pool(2)
     old = pool.allocate(1, 2, PageState.RESERVED)
     pool.free(old)
@@ -80,6 +80,14 @@ def test_a_run_from_before_its_pages_were_freed_fails_the_check():
     assert sorted(new.pages) == sorted(old.pages)
     assert pool.run_ok(new, 1, PageState.RESERVED)
     assert not pool.run_ok(old, 1, PageState.RESERVED)
+    pool.free(new)
+    # the same for the step's read-side check (check_tables): an OWNED table kept from before the free
+    old = pool.allocate(1, 2)
+    pool.free(old)
+    new = pool.allocate(1, 2)
+    assert sorted(new.pages) == sorted(old.pages)
+    assert table_ok(pool, new, 1)
+    assert not table_ok(pool, old, 1)
 
 
 def test_reserved_and_quarantined_pages_are_not_readable():
@@ -151,6 +159,23 @@ def test_a_shared_page_reads_only_for_its_group():
     pool.free(a)
     pool.free(a)
     assert not group_ok(pool, a, owner=7, group=7)  # freed by both holders: the generation moved on
+
+
+def test_a_cached_page_reads_only_for_its_namespace():
+    """The prefix cache's pages are SHARED with a tenant's cache namespace as owner: a request of that
+    namespace reads them; one of another namespace, or of none, is refused (the tenant tag aside)."""
+    pool = small_pool()
+    a = pool.allocate(1000, 2)  # the namespace's id is the owner, as kvseal.kv.prefix keeps them
+    pool.share(a.pages, 1000, holders=1)
+    t = torch.tensor([a.pages])
+    args = (t, torch.tensor([a.generations]), torch.tensor([8]), torch.ones_like(t, dtype=torch.bool),
+            torch.tensor([-2]))
+
+    def reads(space: int) -> bool:
+        return bool(pool.check_tables(*args, torch.tensor([space]))[0])
+
+    assert reads(1000)
+    assert not reads(2000) and not reads(-2)
 
 
 def test_a_dead_decode_workers_pool_file_is_swept(tmp_path):
