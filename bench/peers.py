@@ -159,8 +159,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     failed = {name: {case: n for case in rs[0] if (n := sum("error" in r[case] for r in rs))}
               for name, rs in runs.items() if rs}
     peers = [n for n in means if not n.startswith("kvseal")]
-    return {"means": means, "failed_runs": {n: f for n, f in failed.items() if f}, "kvseal_over_vllm": ratios_to(means, "vllm"),
-            "kvseal_over_llamacpp": ratios_to(means, "llamacpp"),
+    return {"means": means, "failed_runs": {n: f for n, f in failed.items() if f},
+            "kvseal_over_vllm": ratios_to(means, "vllm"), "kvseal_over_llamacpp": ratios_to(means, "llamacpp"),
             **{f"kvseal_over_{n}": ratios_to(means, n) for n in peers if n.startswith("llama_server")},
             "kvseal_over_best_peer": over_best(means, peers)}
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvseal.config import PoolConfig
+from kvseal.engine.runner import NO_GROUP
 from kvseal.kv.pool import PagePool, PageState, PoolExhausted
 from kvseal.kv.tags import tenant_tag
 
@@ -169,13 +170,13 @@ def test_a_cached_page_reads_only_for_its_namespace():
     pool.share(a.pages, 1000, holders=1)
     t = torch.tensor([a.pages])
     args = (t, torch.tensor([a.generations]), torch.tensor([8]), torch.ones_like(t, dtype=torch.bool),
-            torch.tensor([-2]))
+            torch.tensor([NO_GROUP]))
 
     def reads(space: int) -> bool:
         return bool(pool.check_tables(*args, torch.tensor([space]))[0])
 
     assert reads(1000)
-    assert not reads(2000) and not reads(-2)
+    assert not reads(2000) and not reads(NO_GROUP)
 
 
 def test_a_dead_decode_workers_pool_file_is_swept(tmp_path):

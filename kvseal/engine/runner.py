@@ -95,5 +95,5 @@ class Runner:
                  for (s, n), t, start in zip(batch[n_dec:], tables[n_dec:], starts[n_dec:])]
         return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.int64),
                             positions=torch.from_numpy(positions.clip(max=self.model.cfg.max_context - 1)),
-                            write_slots=torch.from_numpy(write_slots), logits_index=torch.from_numpy(starts + fed - 1),
-                            decode=decode, spans=spans)
+                            write_slots=torch.from_numpy(write_slots),
+                            logits_index=torch.from_numpy(starts + fed - 1), decode=decode, spans=spans)

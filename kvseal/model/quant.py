@@ -18,7 +18,8 @@ bf16 weight for the steps of at most ``small_rows`` rows: int8 through the proje
 built (``Gemm.q8``: each weight widened to fp32 in registers, fp32 sums, for bf16 or fp32 activations; it
 keeps no other int8 copy), else PyTorch's ``_weight_int8pack_mm``; int4 through PyTorch's
 ``_weight_int4pack_mm_for_cpu``. A decode step of a few streams reads every weight once for very little
-arithmetic, so it is bound by the bytes read, and 1 or ½ byte per weight beats 2. Larger steps are compute-bound, where the packed kernels are no faster, and use bf16.
+arithmetic, so it is bound by the bytes read, and 1 or ½ byte per weight beats 2. Larger steps are
+compute-bound, where the packed kernels are no faster, and use bf16.
 
 A request's tokens can therefore depend on how many others share its steps (int vs bf16 rounding); with
 ``bf16`` they do not. ``dequantized()`` gives the weight a packed kernel computes with, for tests.
