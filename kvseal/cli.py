@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--colocated", action="store_true", help="one process does prefill and decode")
     s.add_argument("--host", default="127.0.0.1", help="address the front door listens on")
     s.add_argument("--port", type=int, default=8000,
-                   help="the front door's port (workers: the next two)")
+                   help="the front door's port (workers: the next two when free)")
     s.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                    help="a client key and its tenant (repeatable); none: single-tenant")
     s.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
@@ -124,6 +124,7 @@ def parser() -> argparse.ArgumentParser:
         add_cluster_args(w)
         w.add_argument("--host", default="127.0.0.1", help="address this worker listens on (and Mooncake binds)")
         w.add_argument("--port", type=int, required=True, help="this worker's port")
+        w.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # serve's bound socket
         w.add_argument("--transport", default="shm", choices=["shm", "mooncake"],
                        help="how page bytes move between prefill and decode (both workers alike)")
         w.add_argument("--shared-weights", default=None, metavar="FILE",
@@ -141,6 +142,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode worker (repeatable)")
     r.add_argument("--host", default="127.0.0.1", help="address the router listens on")
     r.add_argument("--port", type=int, default=8000, help="the router's port")
+    r.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # serve's bound socket
     r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                    help="a client key and its tenant (repeatable); none: single-tenant")
     r.add_argument("--api-keys", default=None, metavar="FILE", help="KEY=TENANT lines (keeps keys out of ps)")
@@ -225,7 +227,7 @@ def _start(a: argparse.Namespace) -> None:
         auth = cluster_auth(a, a.cmd, f"{a.cmd}@{a.host}:{a.port}")
         serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport, getattr(a, "lease_ttl", 0.0),
                      MooncakeConfig(a.mooncake_protocol, a.mooncake_devices), auth=auth,
-                     tls=(a.ssl_certfile, a.ssl_keyfile))
+                     tls=(a.ssl_certfile, a.ssl_keyfile), listen_fd=a.listen_fd)
     elif a.cmd == "router":
         from kvseal.server.worker import serve_router
 

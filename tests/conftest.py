@@ -78,6 +78,12 @@ def signed(method: str, url: str, role: str = "router", body: bytes = b"", **kw)
     return httpx.request(method, url, content=body, headers=headers, timeout=kw.pop("timeout", 30), **kw)
 
 
+def _lost_port(out: str, port: int) -> bool:
+    """The process could not bind the port that free_port chose: another socket took it in between (free_port
+    cannot hold it for a child that binds seconds later). Only that port: any other bind error is the server's."""
+    return f"('127.0.0.1', {port}): address already in use" in out or f"listen on 127.0.0.1:{port}:" in out
+
+
 class Server:
     """A kvseal process on a free loopback port, killed at teardown. Workers and routers get the session's
     cluster secret unless the args name one (or switch auth off)."""
@@ -102,7 +108,11 @@ class Server:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                out = self.proc.stdout.read()
+                if port is None and _lost_port(out, self.port):  # free_port's port taken before the bind: again
+                    self.__init__(self.args, self.env, self.timeout)
+                    return
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{out}")
             try:
                 if httpx.get(self.url + "/health", timeout=2, verify=self.verify).status_code == 200:
                     return

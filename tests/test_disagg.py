@@ -2,6 +2,9 @@
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -127,3 +130,26 @@ def test_sigterm_to_serve_alone_stops_its_workers():
         assert not any(os.path.exists(f"/proc/{k}") for k in kids)
     finally:
         s.stop()
+
+
+def test_serve_starts_when_the_next_ports_are_taken_and_refuses_a_taken_front_door():
+    """Another socket on port + 1 (a client's outgoing connection draws from the same ephemeral range) once
+    killed ``serve`` after its models loaded, with a bind error; now the worker takes another port. A taken front
+    door fails at once, with its reason, before any model loads."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1] - 1
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))  # free now (else this test picks again: rare)
+    s = Server(["serve", "--kv-pool-tokens", "1024", "--allow-pool-below-context"], port=port)
+    try:
+        r = chat(s.url, "List three colors.", n=4)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        t = time.time()
+        q = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", "--port", str(port)], check=False,
+                           capture_output=True, text=True, timeout=60)
+        assert q.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in q.stderr and time.time() - t < 20
+    finally:
+        s.stop()
+        held.close()

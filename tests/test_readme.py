@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,11 +27,24 @@ def tour() -> list[str]:
     return [re.sub(r"\s+#.*$", "", ln) for ln in lines]
 
 
+def _three_free_ports() -> int:
+    """A port whose next two are free too, as the scrape config expects (serve moves a worker off a taken one)."""
+    while True:
+        port = free_port()
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port + 1))
+                b.bind(("127.0.0.1", port + 2))
+            return port
+        except OSError:
+            continue
+
+
 def test_the_readme_tour_runs_as_written(tmp_path):
     if shutil.which("prometheus") is None:
         pytest.skip("prometheus is not installed (make setup installs Debian's)")
     serve, ask, pools, scrape = tour()
-    port, web = free_port(), free_port()
+    port, web = _three_free_ports(), free_port()  # the scrape config names + 1 and + 2
     cfg = (ROOT / "deploy/prometheus.yml").read_text()
     for old, new in ((8002, port + 2), (8001, port + 1), (8000, port)):
         cfg = cfg.replace(str(old), str(new))

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from kvseal.config import UNSAFE_FLAGS, Protections, WorkerSpec
+from kvseal.server import listen
 from kvseal.transfer.auth import write_secret_file
 
 
@@ -61,7 +62,12 @@ def _router_argv(a: argparse.Namespace) -> list[str]:
 
 def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     del spec  # validated already; the workers re-parse the same flags
-    ports = {"prefill": a.port + 1, "decode": a.port + 2}
+    try:  # before any model loads: a taken front door fails now, with its reason
+        front = listen.bind(a.host, a.port)
+    except OSError as e:
+        raise SystemExit(f"kvseal: cannot listen on {a.host}:{a.port}: {e.strerror}") from None
+    socks = {"prefill": listen.bind_preferring(a.host, a.port + 1), "decode": listen.bind_preferring(a.host, a.port + 2)}
+    ports = {role: s.getsockname()[1] for role, s in socks.items()}
     procs = []
     private = Path(tempfile.mkdtemp(prefix="kvseal-"))  # 0700: the secret of this cluster of three processes
     secret = ["--cluster-secret-file", str(write_secret_file(private / "cluster-secret"))]
@@ -70,17 +76,21 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     # SIGTERM to this process alone (kill PID, a container's stop) must stop the workers too, not orphan them
     signal.signal(signal.SIGTERM, _interrupt)
     weights = ["--shared-weights", str(private / "weights")]  # one packed copy for both workers
-    for role, port in ports.items():
-        argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
-                "--transport", a.transport, *secret, *weights, *_worker_argv(a)]
-        procs.append(subprocess.Popen(argv))
     try:
         for role, port in ports.items():
+            fd = socks[role].fileno()
+            argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
+                    "--listen-fd", str(fd), "--transport", a.transport, *secret, *weights, *_worker_argv(a)]
+            procs.append(subprocess.Popen(argv, pass_fds=(fd,)))
+            socks[role].close()  # the worker holds it now
+        for role, port in ports.items():
             _wait_healthy(f"http://{a.host}:{port}", procs)
-        router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port), *secret,
+        router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port),
+                  "--listen-fd", str(front.fileno()), *secret,
                   "--prefill", f"http://{a.host}:{ports['prefill']}", "--decode", f"http://{a.host}:{ports['decode']}",
                   *_router_argv(a)]
-        procs.append(subprocess.Popen(router))
+        procs.append(subprocess.Popen(router, pass_fds=(front.fileno(),)))
+        front.close()
         print(f"kvseal: router on http://{a.host}:{a.port} (prefill :{ports['prefill']}, decode :{ports['decode']})",
               flush=True)
         while all(p.poll() is None for p in procs):
@@ -88,6 +98,8 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        for s in (front, *socks.values()):
+            s.close()
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

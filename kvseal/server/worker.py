@@ -9,19 +9,20 @@ import secrets
 import sys
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvseal.config import Protections, WorkerSpec
 from kvseal.faults import Faults
+from kvseal.server import listen
 from kvseal.server.guard import FRONT_MAX_BODY, Guard
 from kvseal.server.metrics import Metrics, ScrapeDoor
 from kvseal.transfer.auth import cluster_auth
 
 
 def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str, lease_ttl: float = 0.0,
-                 mooncake: object = None, auth: tuple = (None, {}), tls: tuple = (None, None)) -> None:
+                 mooncake: object = None, auth: tuple = (None, {}), tls: tuple = (None, None),
+                 listen_fd: int | None = None) -> None:
     from kvseal.engine.build import build_engine  # PyTorch: a worker's, never the router's
 
     verifier, http = auth
@@ -51,8 +52,8 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
           f"{sizing.table()}", flush=True)
     try:
         # a router's token stream never ends by itself: bound the graceful shutdown so SIGTERM ends the worker
-        uvicorn.run(ScrapeDoor(Guard(app, verifier), metrics), host=host, port=port, log_level="warning",
-                    ssl_certfile=tls[0], ssl_keyfile=tls[1], timeout_graceful_shutdown=3)
+        listen.run(ScrapeDoor(Guard(app, verifier), metrics), host, port, listen_fd, log_level="warning",
+                   ssl_certfile=tls[0], ssl_keyfile=tls[1], timeout_graceful_shutdown=3)
     finally:
         if role == "decode":
             pool.close()
@@ -125,6 +126,5 @@ def serve_router(a: argparse.Namespace) -> None:
         task.cancel()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(ScrapeDoor(Guard(app, None, FRONT_MAX_BODY), metrics), host=a.host, port=a.port, log_level="warning",
-                ssl_certfile=a.ssl_certfile,
-                ssl_keyfile=a.ssl_keyfile)
+    listen.run(ScrapeDoor(Guard(app, None, FRONT_MAX_BODY), metrics), a.host, a.port, a.listen_fd,
+               log_level="warning", ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile)

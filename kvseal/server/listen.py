@@ -1,0 +1,46 @@
+"""Listening sockets that ``kvseal serve`` binds before any process loads a model, and hands to its processes.
+
+``serve`` used to tell its workers to listen on the front door's port + 1 and + 2 and let each bind it later.
+Any other socket on this host (a client's outgoing connection takes an ephemeral port from the same range) could
+hold one of them by then, and the worker died after loading the model. Now ``serve`` binds all three first: the
+front door's port must be free (a clear error at once, as vLLM does); a worker's port is + 1 / + 2 when free and one
+the kernel picks otherwise. The child inherits the bound socket (``--listen-fd``) and serves on it, so nothing can
+take the port between the choice and the listen.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import uvicorn
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening; OSError when the port is taken."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart while TIME_WAIT lingers
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def bind_preferring(host: str, port: int) -> socket.socket:
+    """``port`` when it is free, else one the kernel picks."""
+    try:
+        return bind(host, port)
+    except OSError:
+        return bind(host, 0)
+
+
+def run(app: object, host: str, port: int, listen_fd: int | None = None, **kw: object) -> None:
+    """uvicorn on (host, port), or on the socket ``kvseal serve`` bound for this process."""
+    if listen_fd is None:
+        uvicorn.run(app, host=host, port=port, **kw)
+        return
+    sock = socket.socket(fileno=listen_fd)  # family and type read from the descriptor
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kw)).run(sockets=[sock])
