@@ -153,3 +153,11 @@ def test_serve_starts_when_the_next_ports_are_taken_and_refuses_a_taken_front_do
     finally:
         s.stop()
         held.close()
+
+
+def test_serve_names_its_workers_by_urls_that_parse_for_ipv6_hosts_too():
+    """``kvseal serve --host ::1`` died at start: the router was given http://::1:8001, which no client parses."""
+    from kvseal.server.listen import url
+
+    assert httpx.URL(url("::1", 8001)).port == 8001 and httpx.URL(url("::1", 8001)).host == "::1"
+    assert url("127.0.0.1", 8002) == "http://127.0.0.1:8002"

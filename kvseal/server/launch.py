@@ -84,14 +84,14 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
             procs.append(subprocess.Popen(argv, pass_fds=(fd,)))
             socks[role].close()  # the worker holds it now
         for role, port in ports.items():
-            _wait_healthy(f"http://{a.host}:{port}", procs)
+            _wait_healthy(listen.url(a.host, port), procs)
         router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port),
                   "--listen-fd", str(front.fileno()), *secret,
-                  "--prefill", f"http://{a.host}:{ports['prefill']}", "--decode", f"http://{a.host}:{ports['decode']}",
+                  "--prefill", listen.url(a.host, ports["prefill"]), "--decode", listen.url(a.host, ports["decode"]),
                   *_router_argv(a)]
         procs.append(subprocess.Popen(router, pass_fds=(front.fileno(),)))
         front.close()
-        print(f"kvseal: router on http://{a.host}:{a.port} (prefill :{ports['prefill']}, decode :{ports['decode']})",
+        print(f"kvseal: router on {listen.url(a.host, a.port)} (prefill :{ports['prefill']}, decode :{ports['decode']})",
               flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

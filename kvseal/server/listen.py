@@ -37,6 +37,11 @@ def bind_preferring(host: str, port: int) -> socket.socket:
         return bind(host, 0)
 
 
+def url(host: str, port: int, scheme: str = "http") -> str:
+    """A URL for (host, port): an IPv6 literal in brackets (``--host ::1``)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
 def run(app: object, host: str, port: int, listen_fd: int | None = None, **kw: object) -> None:
     """uvicorn on (host, port), or on the socket ``kvseal serve`` bound for this process."""
     if listen_fd is None:
