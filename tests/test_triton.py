@@ -159,3 +159,20 @@ def test_the_model_generates_the_same_tokens_through_the_kernels(fp32_model):
     layers = lm.model.cfg.num_layers
     assert calls == {"decode": 2 * layers, "prefill": layers}, calls  # the prompt's chunk, then two decode steps
     assert got == want and len(got[0]) == 3
+
+
+def test_the_gpu_check_script_runs_its_correctness_part_here(tmp_path):
+    """bench/gpu.py is what a session lent a GPU runs first; its correctness part runs here, interpreted, so it
+    cannot rot unseen between such sessions."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, str(script), "--interpret", "--out", str(out)], capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["ok"] and rep["correctness"][0]["in_place"] and rep["correctness"][0]["max_err"] < 0.02

@@ -1,0 +1,149 @@
+"""The first GPU check: the Triton paged-attention kernels compiled on the device, held equal to the plain-PyTorch
+reference, then their speed on decode rows against the card's memory bandwidth.
+
+    python bench/gpu.py                      # on a CUDA machine (torch + triton): JSON to stdout, bench/out/gpu.json
+    python bench/gpu.py --interpret          # the correctness part only, small, on the CPU (Triton's interpreter)
+
+It needs only torch, triton and this repository (run from its root), nothing else of kvseal's dependencies, so it
+runs on a bare CUDA image.
+
+- **Correctness**, per model shape (SmolLM2-135M 9/3 heads of 64; Llama-3.2-1B 32/8 of 64; Llama-3.1-8B 32/8
+  of 128) in bf16: decode rows with mixed lengths over fragmented page tables whose stale tails hold large values,
+  and a prefill chunk after earlier context, against ``PagedAttention``'s plain path run on the CPU in fp32 over
+  the same pool. ``max_err`` is the largest absolute difference; ``ok`` is ``max_err < 0.02`` (bf16 rounding).
+- **Speed** (not with ``--interpret``): one layer's decode attention at 1, 32 and 256 rows of 512 tokens each.
+  ``bytes`` counts the keys and values read (the lower bound on traffic); ``of_peak`` divides the achieved rate
+  by ``--peak-gbs`` (the H200's 4,800 GB/s by default; give the copy bandwidth measured on the card instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.2-1b": (32, 8, 64), "llama-3.1-8b": (32, 8, 128)}
+PS = 16
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--interpret", action="store_true", help="run the kernels in Triton's interpreter on the CPU")
+    ap.add_argument("--peak-gbs", type=float, default=4800.0, help="the card's memory bandwidth, GB/s")
+    ap.add_argument("--out", default=str(ROOT / "bench/out/gpu.json"))
+    a = ap.parse_args()
+    if a.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton loads: the kernels are built for the interpreter
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    if a.interpret:
+        _interpreter_fix()
+    from kvseal.model.triton_attention import TritonAttention
+
+    device = "cpu" if a.interpret else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --interpret for the CPU check")
+    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+              "torch": torch.__version__, "triton": __import__("triton").__version__,
+              "correctness": [], "speed": []}
+    kernel = TritonAttention()
+    sizes = {"rows": [1, 16, 17, 5], "chunk": (20, 13)} if a.interpret else \
+        {"rows": [1, 15, 16, 17, 100, 511, 512, 300], "chunk": (200, 137)}
+    shapes = {"smollm2-135m": SHAPES["smollm2-135m"]} if a.interpret else SHAPES
+    for name, (heads, kvh, dim) in shapes.items():
+        report["correctness"].append({"shape": name, **check(kernel, heads, kvh, dim, sizes, device, torch)})
+    if not a.interpret:
+        for name, (heads, kvh, dim) in SHAPES.items():
+            for rows in (1, 32, 256):
+                report["speed"].append({"shape": name, "rows": rows, **speed(kernel, heads, kvh, dim, rows, 512,
+                                                                               a.peak_gbs, torch)})
+    report["ok"] = all(c["ok"] for c in report["correctness"])
+    text = json.dumps(report, indent=1)
+    print(text)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(text + "\n")
+    return 0 if report["ok"] else 1
+
+
+def pool(lens: list[int], kvh: int, dim: int, torch, gen):
+    """One layer's pool (bf16) with each row's pages scattered through it and stale tails of large values."""
+    n_pages = sum(-(-n // PS) for n in lens) + 3
+    kv = torch.randn(n_pages, 1, 2, kvh, PS, dim, generator=gen)
+    perm = torch.randperm(n_pages, generator=gen).tolist()
+    tables = torch.full((len(lens), max(-(-n // PS) for n in lens)), perm[0], dtype=torch.int64)
+    for b, n in enumerate(lens):
+        pages = [perm.pop() for _ in range(-(-n // PS))]
+        tables[b, : len(pages)] = torch.tensor(pages)
+        if n % PS:
+            kv[pages[-1], :, :, :, n % PS:] = 1e3
+    return kv.to(torch.bfloat16), tables
+
+
+def check(kernel, heads: int, kvh: int, dim: int, sizes: dict, device: str, torch) -> dict:
+    from kvseal.model.attention import DecodeRows, PagedAttention, Span
+
+    gen = torch.Generator().manual_seed(heads * 1000 + dim)
+    lens = sizes["rows"]
+    pos0, n = sizes["chunk"]
+    kv, tables = pool([*lens, pos0 + n], kvh, dim, torch, gen)
+    q = torch.randn(len(lens) + n, heads, dim, generator=gen).to(torch.bfloat16)
+    rows = DecodeRows(tables[: len(lens)], torch.tensor(lens))
+    span = Span(len(lens), n, pos0, tables[len(lens), : -(-(pos0 + n) // PS)].contiguous())
+    k = torch.stack([kv[span.pages[x // PS], 0, 0, :, x % PS] for x in range(pos0, pos0 + n)])
+    v = torch.stack([kv[span.pages[x // PS], 0, 1, :, x % PS] for x in range(pos0, pos0 + n)])
+    k = torch.cat([torch.zeros(len(lens), kvh, dim, dtype=k.dtype), k])
+    v = torch.cat([torch.zeros(len(lens), kvh, dim, dtype=v.dtype), v])
+    want = PagedAttention(kv.float(), rows, [span])(0, q.float(), k.float(), v.float())
+    on = DecodeRows(rows.pages.to(device), rows.lens.to(device))
+    fast = PagedAttention(kv.to(device), on, [Span(span.start, n, pos0, span.pages.to(device))], kernel=kernel)
+    got = fast(0, q.to(device), k.to(device), v.to(device)).float().cpu()
+    err = float((got - want).abs().max())
+    return {"decode_rows": lens, "prefill_chunk": {"pos0": pos0, "tokens": n}, "in_place": bool(fast.in_place),
+            "max_err": err, "ok": err < 0.02 and bool(fast.in_place) and fast.kernel is kernel}
+
+
+def speed(kernel, heads: int, kvh: int, dim: int, rows: int, ctx: int, peak_gbs: float, torch) -> dict:
+    gen = torch.Generator().manual_seed(rows)
+    per_row = ctx // PS
+    kv = torch.randn(rows * per_row, 1, 2, kvh, PS, dim, generator=gen).to(torch.bfloat16).cuda()
+    tables = torch.randperm(rows * per_row, generator=gen).view(rows, per_row).cuda()
+    lens = torch.full((rows,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(rows, heads, dim, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):  # compiles, then warms
+        kernel(q, kv, 0, tables, lens)
+    torch.cuda.synchronize()
+    reps, t0 = 50, time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        kernel(q, kv, 0, tables, lens)
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) * 1000 / reps
+    moved = rows * ctx * kvh * dim * 2 * 2  # keys and values, bf16
+    gbs = moved / us / 1e3
+    return {"ctx": ctx, "us": round(us, 2), "bytes": moved, "gbs": round(gbs, 1), "of_peak": round(gbs / peak_gbs, 3),
+            "wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def _interpreter_fix() -> None:
+    """Triton 3.6's interpreter cannot take a runtime loop bound under NumPy 2.4 (triton-lang/triton#9171); the
+    same scalar conversion the upstream fix makes (tests/test_triton.py carries the same)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def fixed(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    interpreter._patch_lang_tensor = fixed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
