@@ -92,13 +92,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    from kvseal import __version__
 
-    try:
-        return installed("kvseal")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
+    return __version__
 
 
 def parser() -> argparse.ArgumentParser:

@@ -32,12 +32,12 @@ class BadRequest(EngineError):
 class ContextLengthError(BadRequest):
     """prompt + max_tokens exceeds min(context window, pool capacity): can never be served."""
 
-    def __init__(self, prompt: int, max_tokens: int, context: int, pool: int) -> None:
+    def __init__(self, prompt: int, max_tokens: int, context: int, pool: int, param: str = "messages") -> None:
         limit, what = (context, "context window") if context <= pool else (pool, "KV pool capacity")
         super().__init__(
             f"This request needs {prompt + max_tokens} tokens ({prompt} in the prompt + {max_tokens} max_tokens), "
             f"but the {what} is {limit} tokens (context window {context}, KV pool {pool}).",
-            param="messages", code="context_length_exceeded")
+            param=param, code="context_length_exceeded")
         self.limit = limit
 
 

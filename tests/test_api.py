@@ -11,9 +11,12 @@ def client(colocated):
     return openai.OpenAI(base_url=colocated.url + "/v1", api_key="none", max_retries=0)
 
 
-def test_models_lists_context(client):
+def test_models_lists_context(client, colocated):
     m = client.models.list().data[0]
     assert m.id == MODEL and m.context_length == 8192
+    from kvseal import __version__
+
+    assert httpx.get(colocated.url + "/version").json() == {"version": __version__} and __version__[0].isdigit()
 
 
 def test_chat_non_streaming(client, colocated):
@@ -79,7 +82,7 @@ def test_malformed_json_unknown_model_and_huge_max_tokens(colocated):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert "8192" in r.json()["error"]["message"]
+    assert "8192" in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
     wait_pages_back(colocated)
 
 
@@ -87,6 +90,7 @@ def test_prompt_over_context_is_400_with_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[5] * 8000, max_tokens=500)
     assert e.value.code == "context_length_exceeded" and "8500" in str(e.value)
+    assert e.value.param == "prompt"  # the field the client sent (a chat request's is messages)
 
 
 def test_request_that_never_fits_the_pool_is_400():

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP front door: /v1/chat/completions, /v1/completions, /v1/models, /tokenize,
-/detokenize, /health, /metrics.
+/detokenize, /health, /version, /metrics.
 
 Admission happens here, once, against min(context window, every pool on the path):
 a request that can never fit gets 400 ``context_length_exceeded`` before anything is allocated. A streamed
@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from kvseal import __version__
 from kvseal.engine.grammar import compile_response_format
 from kvseal.engine.request import SamplingParams
 from kvseal.errors import BadRequest, ContextLengthError, EngineError
@@ -119,6 +120,10 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         h = await backend.health(full)
         return JSONResponse(h, status_code=200 if h.get("status") == "ok" else 503)
 
+    @app.get("/version")
+    async def version() -> JSONResponse:  # as vLLM's: what a client or a fleet script asks first
+        return JSONResponse({"version": __version__})
+
     @app.get("/metrics")
     async def prom(request: Request) -> Response:
         if metrics.per_tenant:  # tenant names and their cache hits: the admin's to read (--per-tenant-metrics)
@@ -206,7 +211,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                   "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "logprobs": req.top_logprobs_k,
                   "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                   "repetition_penalty": req.repetition_penalty, "logit_bias": req.bias(vocab), "grammar": grammar}
-        plans = [(prompt, admit(req, prompt)) for prompt in prompts]  # all admitted before any generates
+        plans = [(prompt, admit(req, prompt, chat)) for prompt in prompts]  # all admitted before any generates
         started = time.monotonic()
         replies: list[Reply] = []
         for prompt, max_new in plans:
@@ -235,14 +240,16 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
             return StreamingResponse(sse(replies, firsts, fmt, want, usage), media_type="text/event-stream")
         return await unless_gone(request, whole(replies, firsts, fmt, want))
 
-    def admit(req: Sampling, prompt: list[int]) -> int:
-        """max_tokens for this prompt, or 400 if prompt + max_tokens can never fit."""
+    def admit(req: Sampling, prompt: list[int], chat: bool) -> int:
+        """max_tokens for this prompt, or 400 if prompt + max_tokens can never fit (naming ``messages`` or
+        ``prompt``, the field the client sent)."""
         max_new = req.max_new
         if max_new is None:  # as vLLM: whatever the context leaves
             max_new = backend.context_window - len(prompt)
         too_long = len(prompt) + max_new > min(backend.context_window, backend.pool_tokens)
         if max_new < 1 or (too_long and backend.prot.admission):
-            raise ContextLengthError(len(prompt), max(max_new, 1), backend.context_window, backend.pool_tokens)
+            raise ContextLengthError(len(prompt), max(max_new, 1), backend.context_window, backend.pool_tokens,
+                                     "messages" if chat else "prompt")
         return max_new
 
     return app
