@@ -4,13 +4,16 @@ reference, then their speed on decode rows against the card's memory bandwidth.
     python bench/gpu.py                      # on a CUDA machine (torch + triton): JSON to stdout, bench/out/gpu.json
     python bench/gpu.py --interpret          # the correctness part only, small, on the CPU (Triton's interpreter)
 
-It needs only torch, triton and this repository (run from its root), nothing else of kvseal's dependencies, so it
-runs on a bare CUDA image.
+It needs torch, triton, transformers and this repository (run from its root), and of kvseal's other
+dependencies numpy, xxhash, msgspec and llguidance: carry the last two as wheels where the image lacks them
+(docs/gpu.md says how).
 
 - **Correctness**, per model shape (SmolLM2-135M 9/3 heads of 64; Llama-3.2-1B 32/8 of 64; Llama-3.1-8B 32/8
   of 128) in bf16: decode rows with mixed lengths over fragmented page tables whose stale tails hold large values,
   and a prefill chunk after earlier context, against ``PagedAttention``'s plain path run on the CPU in fp32 over
   the same pool. ``max_err`` is the largest absolute difference; ``ok`` is ``max_err < 0.02`` (bf16 rounding).
+- **Engine**: kvseal's engine on the device (``LlamaModel.to_device``, the pool there) against transformers on
+  the same device, fp32, a random Llama with wide weights: the same greedy tokens for prompts decoded together.
 - **Speed** (not with ``--interpret``): one layer's decode attention at 1, 32 and 256 rows of 512 tokens each.
   ``bytes`` counts the keys and values read (the lower bound on traffic); ``of_peak`` divides the achieved rate
   by ``--peak-gbs`` (the H200's 4,800 GB/s by default; give the copy bandwidth measured on the card instead).
@@ -57,12 +60,13 @@ def main() -> int:
     shapes = {"smollm2-135m": SHAPES["smollm2-135m"]} if a.interpret else SHAPES
     for name, (heads, kvh, dim) in shapes.items():
         report["correctness"].append({"shape": name, **check(kernel, heads, kvh, dim, sizes, device, torch)})
+    report["engine"] = engine_check(device, a.interpret, torch)
     if not a.interpret:
         for name, (heads, kvh, dim) in SHAPES.items():
             for rows in (1, 32, 256):
                 report["speed"].append({"shape": name, "rows": rows, **speed(kernel, heads, kvh, dim, rows, 512,
                                                                                a.peak_gbs, torch)})
-    report["ok"] = all(c["ok"] for c in report["correctness"])
+    report["ok"] = all(c["ok"] for c in report["correctness"]) and report["engine"]["ok"]
     text = json.dumps(report, indent=1)
     print(text)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +111,69 @@ def check(kernel, heads: int, kvh: int, dim: int, sizes: dict, device: str, torc
             "max_err": err, "ok": err < 0.02 and bool(fast.in_place) and fast.kernel is kernel}
 
 
+def engine_check(device: str, interpret: bool, torch) -> dict:
+    """kvseal's engine on ``device`` (``LlamaModel.to_device``, a pool there, the Triton kernels) against
+    transformers on the same device, both fp32, on a random small Llama made by transformers: greedy tokens for
+    a batch of prompts of mixed lengths (prefill chunks, then decode rows together). On the CPU (``--interpret``)
+    the model stays there with the interpreted kernels, the same engine code otherwise."""
+    import tempfile
+    import threading
+
+    import transformers
+
+    from kvseal.config import EngineConfig, PoolConfig
+    from kvseal.engine.engine import Engine
+    from kvseal.engine.request import SamplingParams
+    from kvseal.engine.sequence import Sequence
+    from kvseal.kv.pool import PagePool
+    from kvseal.model.llama import LlamaModel
+    from kvseal.model.loader import _assemble, _read_hf_dir
+    from kvseal.model.triton_attention import TritonAttention
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2 if
+                                      interpret else 4, num_attention_heads=8, num_key_value_heads=2,
+                                      max_position_embeddings=512, tie_word_embeddings=True,
+                                      initializer_range=0.2)  # wide: outputs that vary, not one token repeated
+    hf = transformers.LlamaForCausalLM(hf_cfg).float().eval()
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        cfg, raw = _read_hf_dir(Path(d), progress=False)
+    model = LlamaModel(cfg, _assemble(cfg, raw, torch.float32), torch.float32)
+    if interpret:
+        model.native, model.decode_kernel = None, TritonAttention()  # the CPU's own layer loop has its own attention
+    else:
+        model.to_device(device)
+        hf = hf.to(device)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in ((5, 19) if interpret else (5, 19, 40, 77))]
+    new = 4 if interpret else 12
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), dtype=torch.int64,
+                                                                                          device=device),
+                            max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+    pool = PagePool(PoolConfig(num_pages=64), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                    device=model.device)
+    engine = Engine(EngineConfig(pool=PoolConfig(num_pages=64), dtype="fp32"), model, pool).start()
+    got: list[list[int]] = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    try:
+        for i, p in enumerate(prompts):
+            def sink(ev, i=i):
+                got[i].extend(ev.token_ids)
+                if ev.finish_reason:
+                    done.release()
+            engine.submit(Sequence(100 + i, p, SamplingParams(max_tokens=new, temperature=0), sink))
+        finished = all(done.acquire(timeout=300) for _ in prompts)
+    finally:
+        engine.stop()
+    same = sum(g == w for g, w in zip(got, want))
+    return {"model": f"random Llama, {cfg.num_layers} layers, 8/2 heads of 32, fp32",
+            "prompts": [len(p) for p in prompts], "new_tokens": new, "same_as_transformers": f"{same} of {len(prompts)}", "kvseal": got,
+            "transformers": want, "ok": finished and same == len(prompts)}
+
+
 def speed(kernel, heads: int, kvh: int, dim: int, rows: int, ctx: int, peak_gbs: float, torch) -> dict:
     gen = torch.Generator().manual_seed(rows)
     per_row = ctx // PS
@@ -133,7 +200,7 @@ def speed(kernel, heads: int, kvh: int, dim: int, rows: int, ctx: int, peak_gbs:
 
 def _interpreter_fix() -> None:
     """Triton 3.6's interpreter cannot take a runtime loop bound under NumPy 2.4 (triton-lang/triton#9171); the
-    same scalar conversion the upstream fix makes (tests/test_triton.py carries the same)."""
+    same scalar conversion the upstream fix makes (tests/test_gpu.py carries the same)."""
     from triton.runtime import interpreter
 
     patch = interpreter._patch_lang_tensor

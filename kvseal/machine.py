@@ -17,7 +17,7 @@ FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"
             "amx_bf16", "amx_tile", "avx_ne_convert", "asimd", "bf16", "sve", "i8mm")
 
 
-def facts(dtype: str = "auto", weights: str = "auto", threads: int = 0) -> dict:
+def facts(dtype: str = "auto", weights: str = "auto", threads: int = 0, device: str = "cpu") -> dict:
     """Raises ``kvseal.model.cpu.LevelError`` when ``KVSEAL_ISA`` names a level this machine cannot run."""
     import torch  # here, not at the top: the CLI's parser imports this module, and the router never loads PyTorch
 
@@ -27,7 +27,7 @@ def facts(dtype: str = "auto", weights: str = "auto", threads: int = 0) -> dict:
     path = library_path()
     level, compiler = library_info(path) if path else (None, None)
     dtype_name, dtype_why = cpu.resolve_dtype(dtype)
-    return {
+    out = {
         "cpu": cpu.cpu_model(), "arch": cpu.arch(), "cores": os.cpu_count(),
         "features": [f for f in FEATURES if f in cpu.cpu_flags()],
         "levels_runnable": cpu.runnable(cpu.cpu_flags()), "levels_built": cpu.built(),
@@ -37,13 +37,18 @@ def facts(dtype: str = "auto", weights: str = "auto", threads: int = 0) -> dict:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "onednn_bf16": c.onednn_bf16,
         "compiler": compiler, "python": platform.python_version(),
     }
+    if device != "cpu":  # the model runs on a GPU: the CPU's kernels above serve nothing of it
+        out["device"] = f"{device} ({torch.cuda.get_device_name()})"
+        if dtype == "auto":
+            out["dtype"], out["dtype_why"] = "bf16", "auto: a GPU"
+    return out
 
 
 def one_line(f: dict) -> str:
     kernels = f"kernels {f['kernels']} ({f['kernels_why']})" if f["kernels"] else f"kernels none ({f['kernels_why']})"
     return (f"kvseal: {f['cpu']} [{' '.join(f['features']) or 'no listed features'}]; {kernels}; "
             f"dtype {f['dtype']} ({f['dtype_why']}); weights {f['weights']}; {f['threads']} threads; "
-            f"torch {f['torch']}")
+            f"torch {f['torch']}" + (f"; device {f['device']}" if "device" in f else ""))
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # llama-server's and vLLM's (in the benchmark notes), Prometheus' (in the operator's tour)
-PEERS = {"--cont-batching", "--parallel", "--enforce-eager", "--config", "--storage"}
+PEERS = {"--cont-batching", "--parallel", "--enforce-eager", "--config", "--storage",  # other tools' flags
+         "--no-deps", "--only-binary", "--platform", "--python-version"}  # pip's
 PREFIXES = ("--unsafe-", "--unsafe-no-")  # the protections' switches, named as a family
 
 

@@ -58,10 +58,17 @@ def off_main_thread(fn: Callable[[], object], threads: int = 0) -> object:
 
 
 def resolve(spec: WorkerSpec) -> tuple[str, str]:
-    """The worker's (dtype, weight mode) once ``auto`` is decided for this CPU; raises ValueError on a pair that
-    cannot run (fp32 weights in a bf16 model)."""
+    """The worker's (dtype, weight mode) once ``auto`` is decided for this CPU (or GPU); raises ValueError on a
+    pair that cannot run (fp32 weights in a bf16 model) or a device this host does not have."""
     dtype = resolve_dtype(spec.dtype)[0]
     weights = resolve_weights(spec.weights, spec.dtype)
+    if spec.device == "cuda":
+        if not torch.cuda.is_available():
+            build = "built without CUDA" if torch.version.cuda is None else "no GPU visible"
+            raise ValueError(f"--device cuda: no CUDA device here (torch {torch.__version__}, {build})")
+        dtype = "bf16" if spec.dtype == "auto" else dtype  # every CUDA GPU kvseal targets has bf16 matrix units
+        if weights in ("int8", "int4"):
+            raise ValueError(f"--weights {weights} runs on the CPU only (its kernels are the CPU's)")
     if weights == "fp32" and dtype != "fp32":
         raise ValueError(f"--weights fp32 needs --dtype fp32 (the model computes in {dtype})")
     return dtype, weights
@@ -72,19 +79,22 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
                  loaded: LoadedModel | None = None) -> tuple[Engine, LoadedModel, Sizing]:
     dtype_name, weights = resolve(spec)
     dtype = torch_dtype(dtype_name)
+    on_cpu = spec.device == "cpu"  # a GPU's model moves there unpacked: no packed copy to keep on the host
     lm = loaded or off_main_thread(lambda: load(spec.model, dtype, tokenizer=spec.tokenizer,
-                                                 dummy=spec.load_format == "dummy", weights=weights, release=True,
+                                                 dummy=spec.load_format == "dummy", weights=weights, release=on_cpu,
                                                  shared=spec.shared_weights), threads=LOAD_THREADS)
     m = lm.model.cfg
     if lm.model.weights_mode != weights:
         off_main_thread(lambda: lm.model.use_weights(weights), threads=LOAD_THREADS)
+    if not on_cpu:
+        lm.model.to_device(spec.device)
     tokens = spec.kv_pool_tokens or pool_tokens_for(m, dtype, int(spec.kv_memory_gib * 2**30), spec.page_size)
     sizing = preflight(m, dtype, tokens, spec.context, spec.allow_pool_below_context)
     pool_cfg = PoolConfig(num_pages=tokens // spec.page_size, page_size=spec.page_size,
                           scrub_on_free=spec.scrub_on_free)
     kv = storage(pool_cfg, m, dtype) if storage else None
-    pool = off_main_thread(lambda: PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv),
-                           threads=LOAD_THREADS)
+    pool = off_main_thread(lambda: PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv,
+                                            device=spec.device), threads=LOAD_THREADS)
     cfg = EngineConfig(pool=pool_cfg, dtype=dtype_name, max_running=spec.max_running,
                        step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, prefix_cache=spec.prefix_cache, protections=spec.protections)
@@ -94,7 +104,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
 
         metrics._pool_counts = engine.page_counts
         metrics.add_source(engine_source(engine))
-    engine.machine = facts(spec.dtype, spec.weights, spec.threads)
+    engine.machine = facts(spec.dtype, spec.weights, spec.threads, spec.device)
     print(one_line(engine.machine), flush=True)
     engine.grammars = Grammars(lambda: lm.tokenizer, m.vocab_size)
     if spec.share_cores:

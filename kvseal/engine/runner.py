@@ -85,15 +85,17 @@ class Runner:
         offsets = np.cumsum(widths) - widths
         write_slots = flat[offsets[row_seq] + positions // ps] * ps + positions % ps
         n_dec = int((fed == 1).sum())
+        dev = self.model.device
+        on = torch.from_numpy if dev.type == "cpu" else (lambda a: torch.from_numpy(a).to(dev))
         decode = None
         if n_dec:
             pages = np.zeros((n_dec, int(widths[:n_dec].max())), dtype=np.int64)
             for i, t in enumerate(tables[:n_dec]):
                 pages[i, : len(t)] = t
-            decode = DecodeRows(torch.from_numpy(pages), torch.from_numpy(positions[:n_dec] + 1))
-        spans = [Span(int(start), n, s.num_cached, torch.tensor(t, dtype=torch.int64))
+            decode = DecodeRows(on(pages), on(positions[:n_dec] + 1))
+        spans = [Span(int(start), n, s.num_cached, on(np.array(t, dtype=np.int64)))
                  for (s, n), t, start in zip(batch[n_dec:], tables[n_dec:], starts[n_dec:])]
-        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.int64),
-                            positions=torch.from_numpy(positions.clip(max=self.model.cfg.max_context - 1)),
-                            write_slots=torch.from_numpy(write_slots),
-                            logits_index=torch.from_numpy(starts + fed - 1), decode=decode, spans=spans)
+        return ForwardBatch(input_ids=on(np.array(ids, dtype=np.int64)),
+                            positions=on(positions.clip(max=self.model.cfg.max_context - 1)),
+                            write_slots=on(write_slots),
+                            logits_index=on(starts + fed - 1), decode=decode, spans=spans)

@@ -60,7 +60,7 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | N
         if r.params.plain:
             res.append((out[i], None))
             continue
-        res.append(_sample_row(logits[i].float(), r))
+        res.append(_sample_row(logits[i].float().cpu(), r))  # a GPU's row: processed on the host, for now
     return res
 
 

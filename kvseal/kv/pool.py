@@ -68,14 +68,17 @@ def kv_shape(cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int) -> 
 
 class PagePool:
     def __init__(self, cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, storage: torch.Tensor | None = None) -> None:
+                 dtype: torch.dtype, storage: torch.Tensor | None = None, device: str | torch.device = "cpu") -> None:
+        """``device``: where the pages live (a GPU's pool: ``LlamaModel.to_device``); tags stay in host memory,
+        beside the page tables they are checked against."""
         self.cfg = cfg
         shape = kv_shape(cfg, num_layers, kv_heads, head_dim)
         if storage is None:
             # zeros, not empty: attention multiplies a masked slot's value by a zero weight, and a never-written
             # slot holding a NaN bit pattern (malloc'd memory) would turn that product into NaN
-            storage = torch.zeros(shape, dtype=dtype)
-        populate(storage)  # page faults now, not in the first requests' forwards (kvseal.memory)
+            storage = torch.zeros(shape, dtype=dtype, device=device)
+        if storage.device.type == "cpu":
+            populate(storage)  # page faults now, not in the first requests' forwards (kvseal.memory)
         if tuple(storage.shape) != shape or storage.dtype != dtype:
             raise ValueError(f"pool storage {tuple(storage.shape)}/{storage.dtype} != {shape}/{dtype}")
         self.kv = storage
@@ -173,7 +176,7 @@ class PagePool:
         self.generation[idx] += 1
         self.state[idx] = int(PageState.FREE)
         if self.cfg.scrub_on_free:
-            self.kv.index_fill_(0, idx, 0)
+            self.kv.index_fill_(0, idx.to(self.kv.device), 0)
         self._free.extend(run.pages)
 
     # -- the read-side check --------------------------------------------------------------------------

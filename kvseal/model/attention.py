@@ -66,7 +66,7 @@ def gather_rows(kv: torch.Tensor, read_pages: torch.Tensor) -> torch.Tensor:
     """[B, KVH, P] ids of layer 0's key rows for each page table entry, in ``kv`` viewed as rows of
     ``[page_size, D]``; layer ``i``'s keys (``j=0``) or values (``j=1``) are ``(2 * i + j) * KVH`` further on."""
     n_layers, kvh = kv.shape[1], kv.shape[3]
-    return read_pages[:, None, :] * (n_layers * 2 * kvh) + torch.arange(kvh)[None, :, None]
+    return read_pages[:, None, :] * (n_layers * 2 * kvh) + torch.arange(kvh, device=read_pages.device)[None, :, None]
 
 
 def write_rows(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def write_rows(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     ``i``'s keys or values are ``(2 * i + j) * KVH * page_size`` further on."""
     n_layers, kvh, ps = kv.shape[1], kv.shape[3], kv.shape[4]
     page, offset = slots // ps, slots % ps
-    return (page * (n_layers * 2 * kvh * ps) + offset)[:, None] + torch.arange(kvh)[None, :] * ps
+    return (page * (n_layers * 2 * kvh * ps) + offset)[:, None] + torch.arange(kvh, device=slots.device)[None, :] * ps
 
 
 def gather_kv(kv: torch.Tensor, rows: torch.Tensor, layer: int, j: int) -> torch.Tensor:
@@ -114,7 +114,7 @@ def shaped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, po
     scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * shape.scale  # [B, KVH, G*T, L]
     if shape.softcap:
         scores = torch.tanh(scores / shape.softcap) * shape.softcap
-    j = torch.arange(length)[None, None, :]
+    j = torch.arange(length, device=pos.device)[None, None, :]
     p = pos[:, :, None]
     allowed = (j <= p) & (j < n_ctx[:, None, None])
     if shape.window:
@@ -141,7 +141,7 @@ class PagedAttention:
         if decode is not None and self.kernel is None:
             n_ctx = decode.pages.shape[1] * kv.shape[4]
             self.d_rows = gather_rows(kv, decode.pages)
-            self.d_mask = torch.arange(n_ctx)[None, :] < decode.lens[:, None]
+            self.d_mask = torch.arange(n_ctx, device=decode.lens.device)[None, :] < decode.lens[:, None]
         self.in_place: bool | None = None  # prefill chunks through the kernel; decided at the first layer
         self.s_rows: list = []
         self.s_mask: list = []
@@ -183,8 +183,8 @@ class PagedAttention:
         for s in self.spans:
             rows = gather_rows(self.kv, s.pages[None])
             keys, vals = gather_kv(self.kv, rows, layer, 0), gather_kv(self.kv, rows, layer, 1)
-            pos = (s.pos0 + torch.arange(s.n))[None]
-            n_ctx = torch.tensor([s.pos0 + s.n])
+            pos = (s.pos0 + torch.arange(s.n, device=s.pages.device))[None]
+            n_ctx = torch.tensor([s.pos0 + s.n], device=s.pages.device)
             outs.append(shaped_attention(q[s.start: s.start + s.n][None], keys, vals, pos, n_ctx, shape)[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -197,6 +197,6 @@ class PagedAttention:
 
 def _chunk_mask(s: Span, page_size: int) -> torch.Tensor:
     """[1, 1, T, P * page_size]: token ``t`` of the chunk sees pool positions ``0 .. pos0 + t``."""
-    n_ctx = s.pages.shape[0] * page_size
-    pos = s.pos0 + torch.arange(s.n)
-    return (torch.arange(n_ctx)[None, :] <= pos[:, None])[None, None]
+    n_ctx, dev = s.pages.shape[0] * page_size, s.pages.device
+    pos = s.pos0 + torch.arange(s.n, device=dev)
+    return (torch.arange(n_ctx, device=dev)[None, :] <= pos[:, None])[None, None]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +127,7 @@ class LlamaModel:
                        for i in range(cfg.num_layers)]
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype) if cfg.embed_scale else None
         self.last_times = (0.0, 0.0)
+        self.device = torch.device("cpu")  # to_device moves the model to a GPU
         kernels = cfg.plain  # the native kernels implement plain Llama only
         # the in-place paged decode kernel when it was built (None: the plain PyTorch reference)
         self.decode_kernel = load_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype) if kernels else None
@@ -135,6 +136,37 @@ class LlamaModel:
         # the whole layer loop in one native call, when every piece of it is native (bf16; fp32 for decode rows)
         self.native = load_native_layers() if dtype in (torch.bfloat16, torch.float32) and kernels else None
         self.use_weights(mode or ("bf16" if dtype == torch.bfloat16 else "fp32"), release=release)
+
+    def to_device(self, device: str | torch.device) -> LlamaModel:
+        """Run on ``device`` (a CUDA GPU): the weights move there, the linear layers run ``F.linear``, attention
+        the Triton kernels (``kvseal.model.triton_attention``; the plain PyTorch path for the families that
+        depart from plain Llama), everything else plain PyTorch; the CPU's native kernels are dropped. Needs
+        the unpacked weights: a model loaded without ``release``. Not yet run on a GPU (docs/gpu.md)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        if any(t.is_meta for x in self.w.layers for t in (x.wqkv, x.wo, x.w_gate_up, x.w_down)):
+            raise RuntimeError("the weights were released after packing: load the model without release")
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        for layer in self.w.layers:
+            for f in fields(layer):
+                setattr(layer, f.name, move(getattr(layer, f.name)))
+        tied = self.w.lm_head is self.w.embed
+        self.w.embed, self.w.norm = move(self.w.embed), move(self.w.norm)
+        self.w.lm_head = self.w.embed if tied else move(self.w.lm_head)
+        self.cos, self.sin, self.embed_scale = move(self.cos), move(self.sin), move(self.embed_scale)
+        if self.local_rope is not None:
+            self.local_rope = (move(self.local_rope[0]), move(self.local_rope[1]))
+        from kvseal.model.triton_attention import TritonAttention  # triton: a GPU host's, not every CPU's
+
+        self.native = self.fused = None
+        self.decode_kernel = TritonAttention() if self.cfg.plain else None
+        self.device = device
+        self.use_weights(self.weights_mode, self.small_rows)
+        return self
 
     def use_weights(self, mode: str, small_rows: int = 8, release: bool = False) -> None:
         """Pick the linear layers' weights and kernels (``kvseal.model.quant``): fp32 (fp32 models), bf16, or

@@ -49,9 +49,12 @@ class Linear:
         if mode == "fp32" and weight.dtype != torch.float32:
             raise ValueError("fp32 weights need an fp32 model (--dtype fp32)")
         self.weight, self.bias, self.mode, self.small_rows = weight, bias, mode, small_rows
+        on_cpu = weight.device.type in ("cpu", "meta")
+        if mode in ("int8", "int4") and not on_cpu:
+            raise ValueError(f"--weights {mode} runs on the CPU only (its kernels are the CPU's)")
         if mode in ("int8", "int4") and weight.shape[1] % INT4_GROUP:
             self.mode = "bf16"  # odd shapes keep the bf16 path
-        gemm = load_gemm()
+        gemm = load_gemm() if on_cpu else None  # a GPU's weights: F.linear (cuBLAS)
         self.q8: torch.Tensor | None = None  # int8 weights in the native kernel's layout, scales included
         if self.mode == "int8":
             q, scales = quantize_int8(weight)
@@ -120,7 +123,8 @@ class Linear:
 def prepack(w: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of a bf16 weight (None: fp32, a PyTorch built without oneDNN, or a CPU where
     oneDNN's bf16 path does not run: it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and dies without)."""
-    if w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available() or not cpu.choice().onednn_bf16:
+    if (w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or not cpu.choice().onednn_bf16):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(w, 32)
 

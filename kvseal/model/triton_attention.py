@@ -9,7 +9,7 @@ row's length are masked out, so a page's stale tail is never read into the resul
 program once per token, with the chunk's one page table and a length of ``pos0 + t + 1`` (causal).
 
 Held equal to the plain-PyTorch reference (``attention.decode_attention``, SDPA over gathered pages) on the CPU
-through Triton's interpreter (``TRITON_INTERPRET=1``, tests/test_triton.py), so CI checks them without a GPU.
+through Triton's interpreter (``TRITON_INTERPRET=1``, tests/test_gpu.py), so CI checks them without a GPU.
 Nothing routes a step here yet: kvseal has no option that puts a model on a GPU.
 """
 

@@ -28,7 +28,7 @@ def _worker_argv(a: argparse.Namespace) -> list[str]:
         out += ["--threads", str(a.threads)]
     out += ["--share-cores", _core_lock_path(a)]
     for flag in ("model", "dtype", "kv_pool_tokens", "kv_memory", "page_size", "context", "max_running",
-                 "step_token_budget", "weights", "prefix_cache", "tokenizer", "load_format"):
+                 "step_token_budget", "weights", "prefix_cache", "tokenizer", "load_format", "device"):
         v = getattr(a, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]

@@ -1,6 +1,7 @@
-"""The Triton paged-attention kernels (kvseal.model.triton_attention) held equal to the plain-PyTorch path on
-the CPU, through Triton's interpreter: decode rows and prefill chunks, fragmented page tables, lengths that end
-mid-page over stale slots holding large values, grouped-query heads, fp32 and bf16."""
+"""What of the GPU path runs here, with no GPU: the Triton paged-attention kernels (kvseal.model.triton_attention)
+held equal to the plain-PyTorch path on the CPU through Triton's interpreter (decode rows and prefill chunks,
+fragmented page tables, lengths that end mid-page over stale slots holding large values, grouped-query heads,
+fp32 and bf16, the default model end to end), bench/gpu.py's checks, and ``--device cuda``'s refusals."""
 
 import os
 
@@ -176,3 +177,17 @@ def test_the_gpu_check_script_runs_its_correctness_part_here(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["ok"] and rep["correctness"][0]["in_place"] and rep["correctness"][0]["max_err"] < 0.02
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["serve", "--device", "cuda"], "serves colocated only so far"),
+    (["decode", "--port", "1", "--device", "cuda"], "serves colocated only so far"),
+    (["serve", "--colocated", "--device", "cuda"], "no CUDA device here"),
+], ids=["disaggregated", "a-worker", "no-gpu"])
+def test_device_cuda_is_refused_where_it_cannot_run(argv, says, capsys):
+    """Before anything loads, with the reason (the second and third: this CPU-only PyTorch has no CUDA)."""
+    from kvseal.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert says in str(e.value.code), e.value.code
