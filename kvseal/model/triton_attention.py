@@ -27,7 +27,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _paged_rows(q_ptr, kv_ptr, pages_ptr, lens_ptr, out_ptr, layer, n_layers, page_stride, n_pages, scale,
+def _paged_rows(q_ptr, kv_ptr, pages_ptr, lens_ptr, out_ptr, layer, n_layers, page_stride, scale,
                 KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -40,7 +40,7 @@ def _paged_rows(q_ptr, kv_ptr, pages_ptr, lens_ptr, out_ptr, layer, n_layers, pa
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for p in range(n_pages):  # the table's width; slots at or past n are neither loaded nor weighted
+    for p in range(tl.cdiv(n, PS)):  # this row's pages only; slots at or past n are neither loaded nor weighted
         live = (p * PS + o) < n  # [PS]
         page = tl.load(pages_ptr + row * page_stride + p).to(tl.int64)
         k_base = ((page * n_layers + layer) * 2 * KVH + h) * (PS * D)
@@ -96,6 +96,5 @@ class TritonAttention:
         q = q.contiguous()
         out = torch.empty(rows, heads * dim, dtype=q.dtype, device=q.device)
         _paged_rows[(rows, kvh)](q, kv, pages, lens.to(torch.int32).contiguous(), out, layer, n_layers, page_stride,
-                                 pages.shape[-1], dim**-0.5, KVH=kvh, G=group, GP=triton.next_power_of_2(group), D=dim,
-                                 PS=ps)
+                                 dim**-0.5, KVH=kvh, G=group, GP=triton.next_power_of_2(group), D=dim, PS=ps)
         return out
