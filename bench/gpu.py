@@ -1,8 +1,8 @@
-"""The first GPU check: the Triton paged-attention kernels compiled on the device, held equal to the plain-PyTorch
-reference, then their speed on decode rows against the card's memory bandwidth.
+"""The first GPU check: the Triton paged-attention kernels compiled on the device and kvseal's engine there,
+each held equal to a reference, then the kernels' speed.
 
-    python bench/gpu.py                      # on a CUDA machine (torch + triton): JSON to stdout, bench/out/gpu.json
-    python bench/gpu.py --interpret          # the correctness part only, small, on the CPU (Triton's interpreter)
+    python bench/gpu.py                      # on a CUDA machine: JSON to stdout and bench/out/gpu.json
+    python bench/gpu.py --interpret          # the two checks only, small, on the CPU (Triton's interpreter)
 
 It needs torch, triton, transformers and this repository (run from its root), and of kvseal's other
 dependencies numpy, xxhash, msgspec and llguidance: carry the last two as wheels where the image lacks them
@@ -17,6 +17,8 @@ dependencies numpy, xxhash, msgspec and llguidance: carry the last two as wheels
 - **Speed** (not with ``--interpret``): one layer's decode attention at 1, 32 and 256 rows of 512 tokens each.
   ``bytes`` counts the keys and values read (the lower bound on traffic); ``of_peak`` divides the achieved rate
   by ``--peak-gbs`` (the H200's 4,800 GB/s by default; give the copy bandwidth measured on the card instead).
+- **Prefill speed** (not with ``--interpret``): one chunk of 512 tokens from position 0, per shape, in TFLOP/s
+  of the causal products (compare with the card's TF32 rate: the block's products run TF32).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,7 @@ def main() -> int:
         raise SystemExit("no CUDA device: run with --interpret for the CPU check")
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
               "torch": torch.__version__, "triton": __import__("triton").__version__,
-              "correctness": [], "speed": []}
+              "correctness": [], "speed": [], "prefill_speed": []}
     kernel = TritonAttention()
     sizes = {"rows": [1, 16, 17, 5], "chunk": (20, 13)} if a.interpret else \
         {"rows": [1, 15, 16, 17, 100, 511, 512, 300], "chunk": (200, 137)}
@@ -66,6 +67,7 @@ def main() -> int:
             for rows in (1, 32, 256):
                 report["speed"].append({"shape": name, "rows": rows, **speed(kernel, heads, kvh, dim, rows, 512,
                                                                                a.peak_gbs, torch)})
+            report["prefill_speed"].append({"shape": name, **prefill_speed(kernel, heads, kvh, dim, 512, torch)})
     report["ok"] = all(c["ok"] for c in report["correctness"]) and report["engine"]["ok"]
     text = json.dumps(report, indent=1)
     print(text)
@@ -181,21 +183,35 @@ def speed(kernel, heads: int, kvh: int, dim: int, rows: int, ctx: int, peak_gbs:
     tables = torch.randperm(rows * per_row, generator=gen).view(rows, per_row).cuda()
     lens = torch.full((rows,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(rows, heads, dim, dtype=torch.bfloat16, device="cuda")
+    us = _timed_us(lambda: kernel(q, kv, 0, tables, lens), torch)
+    moved = rows * ctx * kvh * dim * 2 * 2  # keys and values, bf16
+    gbs = moved / us / 1e3
+    return {"ctx": ctx, "us": round(us, 2), "bytes": moved, "gbs": round(gbs, 1), "of_peak": round(gbs / peak_gbs, 3)}
+
+
+def prefill_speed(kernel, heads: int, kvh: int, dim: int, tokens: int, torch) -> dict:
+    """One chunk of ``tokens`` from position 0: the causal products' FLOPs over the time."""
+    gen = torch.Generator().manual_seed(tokens)
+    n_pages = tokens // PS
+    kv = torch.randn(n_pages, 1, 2, kvh, PS, dim, generator=gen).to(torch.bfloat16).cuda()
+    pages = torch.randperm(n_pages, generator=gen).cuda()
+    q = torch.randn(tokens, heads, dim, dtype=torch.bfloat16, device="cuda")
+    us = _timed_us(lambda: kernel.prefill(q, kv, 0, pages, 0), torch)
+    flops = 2 * 2 * heads * dim * tokens * (tokens + 1) / 2  # q·k and p·v over the causal half
+    return {"tokens": tokens, "us": round(us, 2), "tflops": round(flops / us / 1e6, 2)}
+
+
+def _timed_us(fn, torch, reps: int = 50) -> float:
     for _ in range(3):  # compiles, then warms
-        kernel(q, kv, 0, tables, lens)
+        fn()
     torch.cuda.synchronize()
-    reps, t0 = 50, time.perf_counter()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        kernel(q, kv, 0, tables, lens)
+        fn()
     end.record()
     torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1000 / reps
-    moved = rows * ctx * kvh * dim * 2 * 2  # keys and values, bf16
-    gbs = moved / us / 1e3
-    return {"ctx": ctx, "us": round(us, 2), "bytes": moved, "gbs": round(gbs, 1), "of_peak": round(gbs / peak_gbs, 3),
-            "wall_s": round(time.perf_counter() - t0, 3)}
+    return start.elapsed_time(end) * 1000 / reps
 
 
 def _interpreter_fix() -> None:
