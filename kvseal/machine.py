@@ -36,12 +36,26 @@ def facts(dtype: str = "auto", weights: str = "auto", threads: int = 0, device: 
         "threads": threads or torch.get_num_threads(), "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "onednn_bf16": c.onednn_bf16,
         "compiler": compiler, "python": platform.python_version(),
+        # what --device cuda would find: this PyTorch's CUDA (None: a CPU build), the GPUs it sees, Triton
+        "torch_cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else [],
+        "triton": _installed("triton"),
     }
     if device != "cpu":  # the model runs on a GPU: the CPU's kernels above serve nothing of it
         out["device"] = f"{device} ({torch.cuda.get_device_name()})"
         if dtype == "auto":
             out["dtype"], out["dtype_why"] = "bf16", "auto: a GPU"
     return out
+
+
+def _installed(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
 
 
 def one_line(f: dict) -> str:
@@ -64,4 +78,4 @@ def run(a: argparse.Namespace) -> None:
         return
     width = max(len(k) for k in f)
     for k, v in f.items():
-        print(f"{k:<{width}}  {' '.join(map(str, v)) if isinstance(v, list) else v}")
+        print(f"{k:<{width}}  {(' '.join(map(str, v)) or 'none') if isinstance(v, list) else v}")

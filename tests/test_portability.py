@@ -64,6 +64,18 @@ def test_env_reports_the_forced_level_and_auto_dtype():
     top = json.loads(_kvseal("env", "--json").stdout)
     assert top["kernels"] == KERNEL_LEVELS[-1] and top["forced"] is None
     assert top["dtype"] == ("bf16" if "avx512_bf16" in cpu.cpu_flags() or "amx_bf16" in cpu.cpu_flags() else "fp32")
+    import torch
+
+    assert top["torch_cuda"] == torch.version.cuda and top["gpus"] == [] and top["triton"] == _dist("triton")
+
+
+def _dist(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 @pytest.mark.parametrize("cmd", [["env"], ["serve", "--colocated"], ["decode", "--port", "1"]])
