@@ -146,10 +146,11 @@ def test_serve_starts_when_the_next_ports_are_taken_and_refuses_a_taken_front_do
     try:
         r = chat(s.url, "List three colors.", n=4)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        t = time.time()
-        q = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", "--port", str(port)], check=False,
-                           capture_output=True, text=True, timeout=60)
-        assert q.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in q.stderr and time.time() - t < 20
+        for mode in ([], ["--colocated"]):  # the colocated server binds first too
+            t = time.time()
+            q = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", *mode, "--port", str(port)], check=False,
+                               capture_output=True, text=True, timeout=60)
+            assert q.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in q.stderr and time.time() - t < 20
     finally:
         s.stop()
         held.close()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-import uvicorn
 from fastapi import FastAPI
 
 from kvseal.engine.build import WorkerSpec, build_engine
+from kvseal.server import listen
 from kvseal.server.api import create_app
 from kvseal.server.backend import EngineBackend
 from kvseal.server.guard import FRONT_MAX_BODY, Guard
@@ -29,6 +29,10 @@ def colocated_app(spec: WorkerSpec, api_keys: list[str] | None = None, keys_file
 
 def serve(spec: WorkerSpec, host: str, port: int, api_keys: list[str], keys_file: str | None = None,
           front_args: argparse.Namespace | None = None) -> None:
+    try:  # before the model loads: a taken port fails now, with its reason (as ``kvseal serve``'s launcher)
+        sock = listen.bind(host, port)
+    except OSError as e:
+        raise SystemExit(f"kvseal: cannot listen on {host}:{port}: {e.strerror}") from None
     app, _ = colocated_app(spec, api_keys, keys_file, front_args)
-    uvicorn.run(ScrapeDoor(Guard(app, None, FRONT_MAX_BODY), app.state.metrics), host=host, port=port,
-                log_level="warning")
+    listen.run(ScrapeDoor(Guard(app, None, FRONT_MAX_BODY), app.state.metrics), host, port, sock,
+               log_level="warning")

@@ -10,13 +10,17 @@ take the port between the choice and the listen.
 
 from __future__ import annotations
 
+import errno
 import socket
 
 import uvicorn
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening; OSError when the port is taken."""
+    """A TCP socket bound to (host, port), not yet listening; OSError when the port is taken or out of range
+    (getaddrinfo would wrap 65537 to port 1)."""
+    if not 0 <= port <= 65535:
+        raise OSError(errno.EINVAL, f"port {port} is out of range (0-65535)")
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart while TIME_WAIT lingers
@@ -42,10 +46,11 @@ def url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def run(app: object, host: str, port: int, listen_fd: int | None = None, **kw: object) -> None:
-    """uvicorn on (host, port), or on the socket ``kvseal serve`` bound for this process."""
-    if listen_fd is None:
+def run(app: object, host: str, port: int, bound: int | socket.socket | None = None, **kw: object) -> None:
+    """uvicorn on (host, port), or on a socket bound already: this process's own, or the descriptor of the one
+    ``kvseal serve`` bound for it (``--listen-fd``)."""
+    if bound is None:
         uvicorn.run(app, host=host, port=port, **kw)
         return
-    sock = socket.socket(fileno=listen_fd)  # family and type read from the descriptor
+    sock = bound if isinstance(bound, socket.socket) else socket.socket(fileno=bound)  # family read from the fd
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kw)).run(sockets=[sock])
