@@ -163,8 +163,8 @@ def test_the_model_generates_the_same_tokens_through_the_kernels(fp32_model):
 
 
 def test_the_gpu_check_script_runs_its_correctness_part_here(tmp_path):
-    """bench/gpu.py is what a session lent a GPU runs first; its correctness part runs here, interpreted, so it
-    cannot rot unseen between such sessions."""
+    """bench/gpu.py is the first thing to run on a GPU; its two checks run here, interpreted, so it cannot rot
+    unseen while no GPU is at hand."""
     import json
     import subprocess
     import sys
