@@ -118,8 +118,6 @@ def _pow2(n: int) -> bool:
 class TritonAttention:
     """Paged attention for ``PagedAttention``'s kernel slot, on a CUDA pool (or any pool, interpreted)."""
 
-    name = "triton"
-
     def fits(self, kv: torch.Tensor) -> bool:
         """Pages and heads the program can tile (powers of two), on a device Triton runs on."""
         on_device = kv.is_cuda or INTERPRETED
@@ -131,7 +129,14 @@ class TritonAttention:
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor,
                  lens: torch.Tensor) -> torch.Tensor:
         """Decode rows: q [B, H, D], page tables [B, P], lengths [B] (the new token included) → [B, H*D]."""
-        return self._run(q, kv, layer, pages.contiguous(), pages.shape[1], lens)
+        rows, heads, dim = q.shape
+        n_layers, kvh, ps = kv.shape[1], kv.shape[3], kv.shape[4]
+        group = heads // kvh
+        out = torch.empty(rows, heads * dim, dtype=q.dtype, device=q.device)
+        _paged_rows[(rows, kvh)](q.contiguous(), kv, pages.contiguous(), lens.to(torch.int32).contiguous(), out, layer,
+                                 n_layers, pages.shape[1], dim**-0.5, KVH=kvh, G=group,
+                                 GP=triton.next_power_of_2(group), D=dim, PS=ps)
+        return out
 
     def prefill(self, q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor,
                 pos0: int) -> torch.Tensor:
@@ -146,16 +151,4 @@ class TritonAttention:
         _prefill_block[(triton.cdiv(n, bq), kvh)](q.contiguous(), kv, pages.contiguous(), out, layer, n_layers, pos0, n,
                                                   dim**-0.5, KVH=kvh, G=group, GP=gp, BQ=bq, D=dim, PS=ps,
                                                   IEEE=q.dtype == torch.float32)
-        return out
-
-    @staticmethod
-    def _run(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, page_stride: int,
-             lens: torch.Tensor) -> torch.Tensor:
-        rows, heads, dim = q.shape
-        n_layers, kvh, ps = kv.shape[1], kv.shape[3], kv.shape[4]
-        group = heads // kvh
-        q = q.contiguous()
-        out = torch.empty(rows, heads * dim, dtype=q.dtype, device=q.device)
-        _paged_rows[(rows, kvh)](q, kv, pages, lens.to(torch.int32).contiguous(), out, layer, n_layers, page_stride,
-                                 dim**-0.5, KVH=kvh, G=group, GP=triton.next_power_of_2(group), D=dim, PS=ps)
         return out
