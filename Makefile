@@ -21,9 +21,12 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard kvseal/model/csrc/*.cpp kv
 serve: setup
 	$(BIN)/kvseal serve $(ARGS)
 
+# Two pytest workers, one test file each at a time, every engine on one thread (tests/conftest.py); then the
+# tests that measure time or load, alone on both cores. Plain `pytest` runs everything in one process.
+TESTENV := MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=4096 MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER=4096
 test: setup
-	MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=4096 MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER=4096 \
-	$(BIN)/python -m pytest -q --durations=25
+	$(TESTENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m 'not slow and not alone' --durations=25
+	$(TESTENV) $(BIN)/python -m pytest -q -m 'alone and not slow' --durations=10
 
 bench: setup
 	$(BIN)/python bench/run_all.py

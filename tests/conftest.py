@@ -25,6 +25,28 @@ from kvseal.model import cpu
 from kvseal.model.loader import load
 from kvseal.transfer.auth import ClusterSecret, Signer, write_secret_file
 
+# Under pytest-xdist (make test) two test files run at once on the machine's cores. Every engine, in this
+# process or a server's, then runs on one thread: an OpenMP team whose cores another process also uses waits at
+# each of its barriers for a descheduled member (steps 10-40x slower, measured), where single threads just share.
+# A server given --threads also leaves the cores lock alone (kvseal.cli.core_lock), so the two files' engines do
+# not take turns. The tests that measure time or load are marked ``alone`` and run afterwards on idle cores.
+PARALLEL = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if PARALLEL:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# make test hands whole files to its two workers in collection order (--no-loadscope-reorder): the longest go
+# first, so that none of them starts last while the other worker sits idle (seconds alone, one Zen 4 run)
+LONGEST_FIRST = ["test_protocol_models", "test_faults", "test_model", "test_architectures", "test_disagg",
+                 "test_isolation", "test_auth", "test_weights", "test_portability", "test_readme"]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if PARALLEL:
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
+
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # every build of the native kernels this CPU runs: kernel tests hold each to the reference, so a machine with
 # the widest instructions also tests the narrower levels (KVSEAL_ISA picks the one a process serves with)
@@ -101,6 +123,8 @@ class Server:
         if args[0] in ("prefill", "decode", "serve") and not {"--kv-pool-tokens", "--kv-memory"} & set(args):
             # a third of the default pool: faulting 1.5 GiB in costs 1-3 s of a start when two workers start at once
             args = [*args, "--kv-memory", "0.5"]
+        if PARALLEL and args[0] in ("prefill", "decode", "serve") and "--threads" not in args:
+            args = [*args, "--threads", "1"]
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", *args, "--port", str(self.port)],
                                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -5,7 +5,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from conftest import MODEL, Trio, complete, wait_pages_back
+
+pytestmark = pytest.mark.alone  # measures time under load: make test runs it on idle cores
 
 
 def test_a_worker_whose_probes_time_out_while_it_works_stays_in_service():

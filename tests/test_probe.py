@@ -4,10 +4,13 @@ same fault."""
 
 import json
 
+import pytest
 from conftest import Trio
 
 from kvseal.cli import parser
 from kvseal.probe import mann_whitney_less, run
+
+pytestmark = pytest.mark.alone  # measures time under load: make test runs it on idle cores
 
 WORKER = ["--context", "2048", "--allow-pool-below-context"]
 KEYS = ["--api-key", "key-a=tenant-a", "--api-key", "key-b=tenant-b"]

@@ -6,8 +6,12 @@ cached prefix."""
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from soak import soak
+
+pytestmark = pytest.mark.alone  # measures time under load: make test runs it on idle cores
 
 
 def test_short_soak_finds_nothing(capsys):
