@@ -12,7 +12,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
@@ -202,7 +204,7 @@ def disagg():
 class Trio:
     """A router over one prefill and one decode worker, each a real process; the workers load in parallel."""
 
-    def __init__(self, worker: list[str] = (), router: list[str] = (), env: dict | None = None,
+    def __init__(self, worker: list[str] = (), router: list[str] | None = (), env: dict | None = None,
                  prefill: list[str] = (), decode: list[str] = ()) -> None:
         with ThreadPoolExecutor(2) as ex:
             started = [ex.submit(Server, [role, *worker, *extra], env)
@@ -212,6 +214,8 @@ class Trio:
             self.stop()
             raise next(f.exception() for f in started if f.exception() is not None)
         self.pre, self.dec = self.servers
+        if router is None:  # workers only: each test brings its router (routed)
+            return
         try:
             self.router = Server(["router", "--prefill", self.pre.url, "--decode", self.dec.url, *router], env)
         except BaseException:
@@ -229,6 +233,21 @@ class Trio:
             body = json.dumps({"faults": faults, "delay": delay}).encode()
             r = signed("POST", s.url + "/faults", body=body)
             assert r.status_code == 200, r.text
+
+    @contextmanager
+    def routed(self, router: list[str] = (), fault: str = "", delay: float = 2.0) -> Iterator[Server]:
+        """A second router of the caller's own flags over these workers, with ``fault`` armed on both (workers
+        started with ``KVSEAL_FAULTS=armable``) until it stops: tests that differ only in router flags share
+        one pair of workers. The workers start idle and whole."""
+        wait_pages_back(self.pre)
+        wait_pages_back(self.dec)
+        self.arm(fault, delay)
+        r = Server(["router", "--prefill", self.pre.url, "--decode", self.dec.url, *router])
+        try:
+            yield r
+        finally:
+            r.stop()
+            self.arm("")
 
     def wait_ready(self, timeout: float = 30) -> None:
         """Every worker back in the router's service (a fence after a fault clears at the next probes)."""

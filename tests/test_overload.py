@@ -11,34 +11,41 @@ from conftest import MODEL, Trio, complete, wait_pages_back
 pytestmark = pytest.mark.alone  # measures time under load: make test runs it on idle cores
 
 
-def test_a_worker_whose_probes_time_out_while_it_works_stays_in_service():
+@pytest.fixture(scope="module")
+def t():
+    """One pair of workers; each test starts its own router over them (the tests differ in router flags and
+    faults, which the workers take at run time)."""
+    with Trio(["--kv-pool-tokens", "8192"], router=None, env={"KVSEAL_FAULTS": "armable"}) as t:
+        yield t
+
+
+def test_a_worker_whose_probes_time_out_while_it_works_stays_in_service(t):
     """Prefill's /health stalls 2 s whenever it has work in flight (a probe stuck behind a busy worker), and
     the router's probe gives up after 0.5 s. The prefill keeps answering real work, so it stays in service:
     every request is served. Without the progress evidence the first stalled probe took it out of service and
     every later request was 503 'no healthy prefill worker'."""
-    env = {"KVSEAL_FAULTS": "slow_health", "KVSEAL_FAULT_DELAY": "2"}
-    with Trio(["--kv-pool-tokens", "8192"], router=["--probe-timeout", "0.5"], env=env) as t:
+    with t.routed(["--probe-timeout", "0.5"], "slow_health", delay=2) as router:
         deadline = time.time() + 8
 
         def loop(i: int) -> list[int]:
             codes = []
             while time.time() < deadline:
-                codes.append(complete(t.url, f"Count to {i + 3}:", n=24).status_code)
+                codes.append(complete(router.url, f"Count to {i + 3}:", n=24).status_code)
             return codes
 
         with ThreadPoolExecutor(3) as ex:
             codes = [c for cs in ex.map(loop, range(3)) for c in cs]
         assert len(codes) >= 6 and set(codes) == {200}, codes
-        assert t.router.health()["workers"][t.pre.url]
+        assert router.health()["workers"][t.pre.url]
         wait_pages_back(t.pre)
         wait_pages_back(t.dec)
 
 
-def test_past_the_in_flight_bound_requests_are_shed_at_once():
-    with Trio(["--kv-pool-tokens", "8192"], router=["--max-inflight", "3"]) as t:
+def test_past_the_in_flight_bound_requests_are_shed_at_once(t):
+    with t.routed(["--max-inflight", "3"]) as router:
         def one(i: int) -> tuple[int, float, str | None]:
             t0 = time.time()
-            r = complete(t.url, f"Write a story about the number {i}.", n=96, ignore_eos=True)
+            r = complete(router.url, f"Write a story about the number {i}.", n=96, ignore_eos=True)
             return r.status_code, time.time() - t0, r.headers.get("retry-after")
 
         with ThreadPoolExecutor(12) as ex:
@@ -49,18 +56,17 @@ def test_past_the_in_flight_bound_requests_are_shed_at_once():
         assert all(o[1] < 2.0 and o[2] == "1" for o in shed), shed  # at once, with Retry-After
         wait_pages_back(t.pre)
         wait_pages_back(t.dec)
-        r = httpx.get(t.url + "/health", timeout=10)
+        r = httpx.get(router.url + "/health", timeout=10)
         assert r.status_code == 200
 
 
-def test_a_transfer_the_router_gave_up_on_is_stopped_on_prefill_and_freed_on_decode():
+def test_a_transfer_the_router_gave_up_on_is_stopped_on_prefill_and_freed_on_decode(t):
     """Prefill holds the request 4 s before its engine sees it; the router gives up after 2 s (503). It asks
     prefill to forget the lease: prefill confirms nothing was written and never computes it, so decode frees
     the lease at once, not after prefill would have written and committed (≥ 4 s)."""
-    env = {"KVSEAL_FAULTS": "delay_prefill_admit", "KVSEAL_FAULT_DELAY": "4"}
-    with Trio(["--kv-pool-tokens", "8192"], router=["--timeout", "2", "--queue-timeout", "2"], env=env) as t:
+    with t.routed(["--timeout", "2", "--queue-timeout", "2"], "delay_prefill_admit", delay=4) as router:
         t0 = time.time()
-        r = complete(t.url, "Write a story about a lighthouse.", n=16)
+        r = complete(router.url, "Write a story about a lighthouse.", n=16)
         assert r.status_code == 503 and time.time() - t0 < 3.5
         wait_pages_back(t.dec, timeout=3.9 - (time.time() - t0))  # before prefill's delay could end
         time.sleep(4.5 - (time.time() - t0))
@@ -68,15 +74,14 @@ def test_a_transfer_the_router_gave_up_on_is_stopped_on_prefill_and_freed_on_dec
         assert pre["running"] == pre["waiting"] == 0 and pre["free_pages"] == pre["total_pages"]
 
 
-def test_a_transfer_given_up_while_prefill_is_committing_keeps_its_lease_until_the_writer_is_done():
+def test_a_transfer_given_up_while_prefill_is_committing_keeps_its_lease_until_the_writer_is_done(t):
     """Prefill has written and holds its commit 4 s; the router gives up after 2 s. Prefill cannot promise it
     is done (it is mid-transfer), so decode keeps the lease quarantined instead of freeing pages a writer still
     targets; the late commit is refused, WriterDone follows and the pages come back. Telling decode the writer
     was done on a timeout (what the router did while a busy prefill still looked healthy) frees them at once."""
-    env = {"KVSEAL_FAULTS": "delay_commit", "KVSEAL_FAULT_DELAY": "4"}
-    with Trio(["--kv-pool-tokens", "8192"], router=["--timeout", "2", "--queue-timeout", "2"], env=env) as t:
+    with t.routed(["--timeout", "2", "--queue-timeout", "2"], "delay_commit", delay=4) as router:
         t0 = time.time()
-        r = complete(t.url, "Write a story about a lighthouse.", n=16)
+        r = complete(router.url, "Write a story about a lighthouse.", n=16)
         assert r.status_code == 503
         h = t.dec.health()
         assert time.time() - t0 < 3.8 and h["free_pages"] < h["total_pages"], h
@@ -84,14 +89,14 @@ def test_a_transfer_given_up_while_prefill_is_committing_keeps_its_lease_until_t
         wait_pages_back(t.pre)
 
 
-def test_bounded_overload_keeps_goodput_and_sheds_the_rest_fast():
+def test_bounded_overload_keeps_goodput_and_sheds_the_rest_fast(t):
     """Four times the clients the router admits (each would wait past the router's timeout if all were
     queued): the tokens served per second stay ≥ 80% of the rate at the admitted load, every other answer is
     a quick 429/503 with Retry-After (which these clients honor, as the openai client does), and both pools
     drain. The clients share one connection pool: on two cores, a new connection per refused request costs
     the load generator more CPU than the router spends refusing it, and would be measured as lost goodput."""
     admitted = 6
-    with (Trio(["--kv-pool-tokens", "8192"], router=["--max-inflight", str(admitted), "--timeout", "10"]) as t,
+    with (t.routed(["--max-inflight", str(admitted), "--timeout", "10"]) as router,
           httpx.Client(timeout=120, limits=httpx.Limits(max_connections=64)) as http):
         def load(clients: int, seconds: float) -> tuple[float, list[tuple[int, float]]]:
             deadline = time.time() + seconds
@@ -100,7 +105,7 @@ def test_bounded_overload_keeps_goodput_and_sheds_the_rest_fast():
                 out = []
                 while time.time() < deadline:
                     t0 = time.time()
-                    r = http.post(t.url + "/v1/completions", json={
+                    r = http.post(router.url + "/v1/completions", json={
                         "model": MODEL, "prompt": f"Tell me a long story about the number {i}. " * 4,
                         "max_tokens": 32, "temperature": 0, "ignore_eos": True})
                     tokens = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
