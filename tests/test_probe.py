@@ -10,8 +10,6 @@ from conftest import Trio
 from kvseal.cli import parser
 from kvseal.probe import mann_whitney_less, run
 
-pytestmark = pytest.mark.alone  # measures time under load: make test runs it on idle cores
-
 WORKER = ["--context", "2048", "--allow-pool-below-context"]
 KEYS = ["--api-key", "key-a=tenant-a", "--api-key", "key-b=tenant-b"]
 FAULT = {"KVSEAL_FAULTS": "legacy_placeholder", "KVSEAL_FAULT_SEED": "1"}
@@ -33,15 +31,13 @@ def cluster(unsafe: list[str]) -> Trio:
 
 def test_probe_finds_nothing_on_the_hardened_default(tmp_path):
     with cluster([]) as t:
-        code, rep = probe(t.url, "abcd", tmp_path)
+        code, rep = probe(t.url, "abc", tmp_path)
     assert code == 0 and rep["ok"], rep["findings"]
-    timing = rep["checks"]["prefix-cache timing"]
-    assert timing["power"] and not timing["signal"], timing  # the cache works within a tenant, not across
 
 
-def test_probe_finds_the_2026_leak_and_the_unsalted_cache(tmp_path):
+def test_probe_finds_the_2026_leak(tmp_path):
     with cluster(["--unsafe-no-all"]) as t:
-        code, rep = probe(t.url, "abd", tmp_path)
+        code, rep = probe(t.url, "ab", tmp_path)
     assert code == 1
     checks = rep["checks"]
     assert checks["admission boundary"]["wrong_status"], "an over-long prompt should have been answered 200"
@@ -49,7 +45,22 @@ def test_probe_finds_the_2026_leak_and_the_unsalted_cache(tmp_path):
     # stale pages, but on this model that comes out as low-confidence noise, which the probe cannot tell from
     # batch numerics by the margin: it is noted, not counted; tests/test_isolation.py compares with a reference.)
     assert checks["canary cross-contamination"]["wrong_status"], checks["canary cross-contamination"]
-    assert checks["prefix-cache timing"]["signal"], checks["prefix-cache timing"]
+
+
+@pytest.mark.alone  # a timing check: make test runs it on idle cores
+def test_the_probes_timing_check_sees_the_cache_within_a_tenant_and_never_across(tmp_path):
+    with cluster([]) as t:
+        code, rep = probe(t.url, "d", tmp_path)
+    assert code == 0 and rep["ok"], rep["findings"]
+    timing = rep["checks"]["prefix-cache timing"]
+    assert timing["power"] and not timing["signal"], timing  # the cache works within a tenant, not across
+
+
+@pytest.mark.alone  # a timing check: make test runs it on idle cores
+def test_the_probes_timing_check_finds_the_unsalted_cache(tmp_path):
+    with cluster(["--unsafe-no-cache-salt"]) as t:
+        code, rep = probe(t.url, "d", tmp_path)
+    assert code == 1 and rep["checks"]["prefix-cache timing"]["signal"], rep["checks"]["prefix-cache timing"]
 
 
 def test_mann_whitney_separates_shifted_samples_only():
