@@ -38,9 +38,9 @@ if PARALLEL:
     torch.set_num_threads(1)
 
 # make test hands whole files to its two workers in collection order (--no-loadscope-reorder): the longest go
-# first, so that none of them starts last while the other worker sits idle (seconds alone, one Zen 4 run)
-LONGEST_FIRST = ["test_protocol_models", "test_faults", "test_model", "test_architectures", "test_disagg",
-                 "test_isolation", "test_auth", "test_weights", "test_portability", "test_readme"]
+# first, so that none of them starts last while the other worker sits idle (ordered by one make test on a Zen 4)
+LONGEST_FIRST = ["test_protocol_models", "test_faults", "test_model", "test_architectures", "test_probe",
+                 "test_disagg", "test_isolation", "test_auth", "test_weights", "test_portability", "test_readme"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
