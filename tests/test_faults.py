@@ -6,7 +6,7 @@ back. Where a protection stands against the fault, the same run with that protec
 The protocol's fault points share one cluster per set of protections (its workers start with
 ``KVSEAL_FAULTS=armable``; each test arms its own fault and starts on an idle, whole cluster, every worker in
 service; a worker a crash point killed is started again on its port afterwards). A run that leaks pages by
-design, kills the router or needs other worker flags gets its own.
+design, stops or kills the router, or needs other worker flags gets its own.
 """
 
 import os
