@@ -28,3 +28,21 @@ def test_lock_is_exclusive_and_a_dead_holder_releases_it(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_uncontended_lock_is_tried_without_letting_go_of_the_gil(tmp_path):
+    """Each step takes the lock: fcntl.flock lets the event-loop thread take the GIL, 0.2 ms a step to get it
+    back. The non-blocking try through libc keeps it, and says when another process holds the lock."""
+    import fcntl
+
+    from kvseal.engine import cores
+
+    assert cores._flock is not None, "no libc flock to call with the GIL held"
+    path = str(tmp_path / "cores.lock")
+    mine = CoreLock(path)
+    assert cores._try(mine.fd, fcntl.LOCK_EX)
+    other = CoreLock(path)  # another open file: to flock, another holder
+    assert not cores._try(other.fd, fcntl.LOCK_EX)
+    assert cores._try(mine.fd, fcntl.LOCK_UN)
+    assert cores._try(other.fd, fcntl.LOCK_EX)
+    assert cores._try(other.fd, fcntl.LOCK_UN)
