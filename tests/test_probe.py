@@ -10,7 +10,6 @@ from conftest import Trio
 from kvseal.cli import parser
 from kvseal.probe import mann_whitney_less, run
 
-WORKER = ["--context", "2048", "--allow-pool-below-context"]
 KEYS = ["--api-key", "key-a=tenant-a", "--api-key", "key-b=tenant-b"]
 FAULT = {"KVSEAL_FAULTS": "legacy_placeholder", "KVSEAL_FAULT_SEED": "1"}
 
@@ -23,10 +22,12 @@ def probe(url: str, checks: str, tmp_path) -> tuple[int, dict]:
     return code, json.loads(out.read_text())
 
 
-def cluster(unsafe: list[str]) -> Trio:
+def cluster(unsafe: list[str], context: int = 1024) -> Trio:
+    """Prefill's pool holds half a context, so a long prompt meets the placeholder fault. The timing check
+    needs a context of 2048: its cached prefixes must outlive the other prompts in the pool."""
     env = {**FAULT, "KVSEAL_UNSAFE": "1" if unsafe else "0"}
-    return Trio([*WORKER, *unsafe], [*KEYS, *unsafe], env, prefill=["--kv-pool-tokens", "1024"],
-                decode=["--kv-pool-tokens", "2048"])
+    return Trio(["--context", str(context), "--allow-pool-below-context", *unsafe], [*KEYS, *unsafe], env,
+                prefill=["--kv-pool-tokens", str(context // 2)], decode=["--kv-pool-tokens", str(context)])
 
 
 def test_probe_finds_nothing_on_the_hardened_default(tmp_path):
@@ -49,7 +50,7 @@ def test_probe_finds_the_2026_leak(tmp_path):
 
 @pytest.mark.alone  # a timing check: make test runs it on idle cores
 def test_the_probes_timing_check_sees_the_cache_within_a_tenant_and_never_across(tmp_path):
-    with cluster([]) as t:
+    with cluster([], context=2048) as t:
         code, rep = probe(t.url, "d", tmp_path)
     assert code == 0 and rep["ok"], rep["findings"]
     timing = rep["checks"]["prefix-cache timing"]
@@ -58,7 +59,7 @@ def test_the_probes_timing_check_sees_the_cache_within_a_tenant_and_never_across
 
 @pytest.mark.alone  # a timing check: make test runs it on idle cores
 def test_the_probes_timing_check_finds_the_unsalted_cache(tmp_path):
-    with cluster(["--unsafe-no-cache-salt"]) as t:
+    with cluster(["--unsafe-no-cache-salt"], context=2048) as t:
         code, rep = probe(t.url, "d", tmp_path)
     assert code == 1 and rep["checks"]["prefix-cache timing"]["signal"], rep["checks"]["prefix-cache timing"]
 
