@@ -117,17 +117,18 @@ def test_fused_silu_mul_matches_reference(level, dtype, rows):
     _assert_rounding_apart(FusedOps(library_path(level), dtype).silu_mul(gate_up), ref)
 
 
-def _teacher_forced(model, prompt: list[int], cont: list[int], first_chunk: int) -> torch.Tensor:
+def _teacher_forced(model, prompt: list[int], cont: list[int], first_chunk: int, greedy: int = 0) -> torch.Tensor:
     """Logits after the prompt (prefilled in two chunks) and after each token of ``cont`` fed as a decode row,
-    over a fragmented page table: [len(cont) + 1, vocab]."""
+    over a fragmented page table: [len(cont) + 1, vocab]. ``greedy``: then that many more decode rows, each fed
+    the argmax of the logits before it and appended to ``cont`` (the model's own greedy path, in one pass)."""
     from kvseal.model.attention import DecodeRows, Span
     from kvseal.model.llama import ForwardBatch
     cfg, page = model.cfg, 16
-    total = len(prompt) + len(cont)
+    total = len(prompt) + len(cont) + greedy
     pages = torch.arange(-(-total // page)).flip(0).contiguous() * 2 + 1  # scattered, descending
     kv = torch.zeros(int(pages.max()) + 1, cfg.num_layers, 2, cfg.num_kv_heads, page, cfg.head_dim,
                      dtype=model.dtype)
-    ids = torch.tensor(prompt + cont)
+    ids = torch.tensor(prompt + cont + [0] * greedy)
     out = []
     for p0, p1 in ((0, first_chunk), (first_chunk, len(prompt))):
         pos = torch.arange(p0, p1)
@@ -135,6 +136,9 @@ def _teacher_forced(model, prompt: list[int], cont: list[int], first_chunk: int)
                                               torch.tensor([p1 - p0 - 1]), None,
                                               [Span(0, p1 - p0, p0, pages[: -(-p1 // page)])]))[0]]
     for p in range(len(prompt), total):
+        if p >= len(prompt) + len(cont):
+            cont.append(int(out[-1].argmax()))
+            ids[p] = cont[-1]
         pos = torch.tensor([p])
         rows = DecodeRows(pages[: p // page + 1][None].contiguous(), pos + 1)
         out.append(model.forward(kv, ForwardBatch(ids[p:p + 1], pos, pages[pos // page] * page + pos % page,
@@ -158,9 +162,7 @@ def test_the_native_forward_gives_the_reference_logits(bf16_model, fp32_model):
         try:
             model.fused, model.decode_kernel = None, None
             cont = []
-            for _ in range(16):
-                cont.append(int(_teacher_forced(model, prompt, cont, first)[-1].argmax()))
-            ref = _teacher_forced(model, prompt, cont, first)
+            ref = _teacher_forced(model, prompt, cont, first, greedy=16)  # the plain ops' greedy path
         finally:
             model.fused, model.decode_kernel = native
         got = _teacher_forced(model, prompt, cont, first)
