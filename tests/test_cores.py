@@ -30,7 +30,7 @@ def test_lock_is_exclusive_and_a_dead_holder_releases_it(tmp_path):
         holder.wait()
 
 
-def test_the_uncontended_lock_is_tried_without_letting_go_of_the_gil(tmp_path):
+def test_the_lock_is_tried_through_libc_and_sees_another_holder(tmp_path):
     """Each step takes the lock: fcntl.flock lets the event-loop thread take the GIL, 0.2 ms a step to get it
     back. The non-blocking try through libc keeps it, and says when another process holds the lock."""
     import fcntl
