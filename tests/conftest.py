@@ -236,7 +236,7 @@ class Trio:
 
     @contextmanager
     def routed(self, router: list[str] = (), fault: str = "", delay: float = 2.0) -> Iterator[Server]:
-        """A second router of the caller's own flags over these workers, with ``fault`` armed on both (workers
+        """A router of the caller's own flags over these workers, with ``fault`` armed on both (workers
         started with ``KVSEAL_FAULTS=armable``) until it stops: tests that differ only in router flags share
         one pair of workers. The workers start idle and whole."""
         wait_pages_back(self.pre)

@@ -1,5 +1,6 @@
 """The core-sharing lock: exclusive across processes, and released by the kernel when its holder dies."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -46,3 +47,5 @@ def test_the_lock_is_tried_through_libc_and_sees_another_holder(tmp_path):
     assert cores._try(mine.fd, fcntl.LOCK_UN)
     assert cores._try(other.fd, fcntl.LOCK_EX)
     assert cores._try(other.fd, fcntl.LOCK_UN)
+    os.close(mine.fd)
+    os.close(other.fd)
