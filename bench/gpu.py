@@ -14,6 +14,9 @@ dependencies numpy, xxhash, msgspec and llguidance: carry the last two as wheels
   the same pool. ``max_err`` is the largest absolute difference; ``ok`` is ``max_err < 0.02`` (bf16 rounding).
 - **Engine**: kvseal's engine on the device (``LlamaModel.to_device``, the pool there) against transformers on
   the same device, fp32, a random Llama with wide weights: the same greedy tokens for prompts decoded together.
+- **Transfer**: pages from one pool on the device to another through host memory, as the disaggregated workers
+  move them (kvseal.transfer.staging): checksums equal, other pages untouched; a write that never lands is
+  refused by the checksum. On the device it also times one 256-page staged transfer of the 8B shape.
 - **Speed** (not with ``--interpret``): one layer's decode attention at 1, 32 and 256 rows of 512 tokens each.
   ``bytes`` counts the keys and values read (the lower bound on traffic); ``of_peak`` divides the achieved rate
   by ``--peak-gbs`` (the H200's 4,800 GB/s by default; give the copy bandwidth measured on the card instead).
@@ -62,13 +65,14 @@ def main() -> int:
     for name, (heads, kvh, dim) in shapes.items():
         report["correctness"].append({"shape": name, **check(kernel, heads, kvh, dim, sizes, device, torch)})
     report["engine"] = engine_check(device, a.interpret, torch)
+    report["transfer"] = transfer_check(device, a.interpret, torch)
     if not a.interpret:
         for name, (heads, kvh, dim) in SHAPES.items():
             for rows in (1, 32, 256):
                 report["speed"].append({"shape": name, "rows": rows, **speed(kernel, heads, kvh, dim, rows, 512,
                                                                                a.peak_gbs, torch)})
             report["prefill_speed"].append({"shape": name, **prefill_speed(kernel, heads, kvh, dim, 512, torch)})
-    report["ok"] = all(c["ok"] for c in report["correctness"]) and report["engine"]["ok"]
+    report["ok"] = all(c["ok"] for c in report["correctness"]) and report["engine"]["ok"] and report["transfer"]["ok"]
     text = json.dumps(report, indent=1)
     print(text)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +178,81 @@ def engine_check(device: str, interpret: bool, torch) -> dict:
     return {"model": f"random Llama, {cfg.num_layers} layers, 8/2 heads of 32, fp32",
             "prompts": [len(p) for p in prompts], "new_tokens": new, "same_as_transformers": f"{same} of {len(prompts)}", "kvseal": got,
             "transformers": want, "ok": finished and same == len(prompts)}
+
+
+def transfer_check(device: str, interpret: bool, torch) -> dict:
+    """Pages from one pool on ``device`` to another through host memory, by the code the disaggregated workers
+    run (kvseal.transfer.staging): prefill's pages staged out and hashed, written by the shm transport into
+    decode's landing area, taken in, and hashed again over decode's pool. Then the 2026 incident's shape: a
+    second lease on the same pages whose write never lands. The landing area still holds the first request's
+    bytes; the checksum must refuse them (with it off, they are what decode would attend over). On the CPU
+    (``--interpret``) the same path runs with ``KVSEAL_KV_STAGING=1``."""
+    import tempfile
+    import time
+
+    from kvseal.config import PoolConfig
+    from kvseal.kv.pool import PagePool
+    from kvseal.transfer import messages as P
+    from kvseal.transfer import staging
+    from kvseal.transfer.shm import ShmWriter
+
+    if interpret:
+        os.environ[staging.ENV] = "1"
+    layers, kvh, dim = (2, 2, 64) if interpret else (32, 8, 128)  # Llama-3.1-8B's page shape on the device
+    cfg = PoolConfig(num_pages=64, page_size=PS)
+    shape = (cfg.num_pages, layers, 2, kvh, PS, dim)
+    gen = torch.Generator().manual_seed(7)
+    pre = PagePool(cfg, layers, kvh, dim, torch.bfloat16, device=device)
+    pre.kv.copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
+    with tempfile.NamedTemporaryFile(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as f:
+        f.truncate(pre.kv[0].nbytes * cfg.num_pages)
+        writer = ShmWriter()
+        landing = writer.target(f.name, list(shape), torch.bfloat16)
+        dec = PagePool(cfg, layers, kvh, dim, torch.bfloat16, device=device, landing=landing)
+        dec.kv.copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))  # other requests' pages
+        before = dec.kv.clone()
+        src, dst, n = [5, 6, 7, 20], [3, 4, 9, 10], 3 * PS + 5
+
+        def send(first_src: list[int], write: bool) -> str:
+            data, at = staging.stage_out(pre.kv, first_src)
+            if write:
+                writer.write(data, at, f.name, list(shape), dst, transient=data is not pre.kv)
+            return P.checksum(data, at, n, 1, 2, dst, [0] * len(dst), 9)
+
+        sent = send(src, True)
+        dec.take_in(dst)
+        got = P.checksum(dec.kv, dst, n, 1, 2, dst, [0] * len(dst), 9)
+        others = [p for p in range(cfg.num_pages) if p not in dst]
+        first = {"checksum_equal": sent == got, "pages_equal": bool(torch.equal(dec.kv[dst], pre.kv[src])),
+                 "other_pages_untouched": bool(torch.equal(dec.kv[others], before[others]))}
+        # a second request on the same decode pages, its prompt in other prefill pages; its write never lands
+        sent2 = send([30, 31, 32, 33], False)
+        dec.take_in(dst)
+        got2 = P.checksum(dec.kv, dst, n, 1, 2, dst, [0] * len(dst), 9)
+        stale = {"refused_by_checksum": sent2 != got2,
+                 "pool_holds_the_first_requests_bytes": bool(torch.equal(dec.kv[dst], pre.kv[src]))}
+        out = {"first_transfer": first, "write_never_landed": stale}
+        if not interpret:  # one 256-page transfer end to end: stage out, write, take in
+            big = PoolConfig(num_pages=512, page_size=PS)
+            bshape = (512, layers, 2, kvh, PS, dim)
+            bpre = PagePool(big, layers, kvh, dim, torch.bfloat16, device=device)
+            f.truncate(bpre.kv[0].nbytes * 512)
+            writer2 = ShmWriter()
+            bdec = PagePool(big, layers, kvh, dim, torch.bfloat16, device=device,
+                            landing=writer2.target(f.name, list(bshape), torch.bfloat16))
+            pages = list(range(0, 512, 2))
+            for rep in range(4):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                data, at = staging.stage_out(bpre.kv, pages)
+                writer2.write(data, at, f.name, list(bshape), pages, transient=True)
+                bdec.take_in(pages)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            nbytes = len(pages) * bpre.kv[0].nbytes
+            out["staged_256_pages"] = {"bytes": nbytes, "seconds": dt, "gb_s": nbytes / dt / 1e9}
+    out["ok"] = all(first.values()) and stale["refused_by_checksum"]
+    return out
 
 
 def speed(kernel, heads: int, kvh: int, dim: int, rows: int, ctx: int, peak_gbs: float, torch) -> dict:

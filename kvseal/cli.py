@@ -45,8 +45,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "or weight-only int8/int4 for steps of few rows (bf16 above); auto: fp32 with --dtype fp32, "
                         "else bf16")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="where the model and the KV pool live; cuda: colocated only, and experimental (not yet run "
-                        "on a GPU: docs/gpu.md)")
+                   help="where the model and the KV pool live; cuda: experimental (not yet run on a GPU: "
+                        "docs/gpu.md); a GPU pool's pages move between workers through host memory")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--share-cores", default="auto", metavar="LOCKFILE|auto|none",
                    help="time-share the cores with other engines using the same lock file (one forward at a time); "
@@ -205,9 +205,6 @@ def check(a: argparse.Namespace) -> None:
         from kvseal.engine.build import resolve
         from kvseal.model.loader import inspect
 
-        if a.device != "cpu" and not (a.cmd == "serve" and a.colocated):
-            raise ValueError(f"--device {a.device} serves colocated only so far (kvseal serve --colocated "
-                             f"--device {a.device}; moving pages between GPU pools is not built yet)")
         resolve(worker_spec(a))
         inspect(a.model, a.load_format == "dummy", a.tokenizer)  # a checkpoint kvseal cannot serve exactly: refused before any process starts
 

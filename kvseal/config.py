@@ -196,4 +196,4 @@ class WorkerSpec:
     tokenizer: str | None = None  # a tokenizer other than the checkpoint's
     load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shape)
     shared_weights: str | None = None  # a file this host's workers share their packed weights through
-    device: str = "cpu"  # cpu | cuda (colocated only, not yet run on a GPU: docs/gpu.md)
+    device: str = "cpu"  # cpu | cuda (not yet run on a GPU: docs/gpu.md)

@@ -62,7 +62,8 @@ def one_line(f: dict) -> str:
     kernels = f"kernels {f['kernels']} ({f['kernels_why']})" if f["kernels"] else f"kernels none ({f['kernels_why']})"
     return (f"kvseal: {f['cpu']} [{' '.join(f['features']) or 'no listed features'}]; {kernels}; "
             f"dtype {f['dtype']} ({f['dtype_why']}); weights {f['weights']}; {f['threads']} threads; "
-            f"torch {f['torch']}" + (f"; device {f['device']}" if "device" in f else ""))
+            f"torch {f['torch']}" + (f"; device {f['device']}" if "device" in f else "")
+            + ("; KV pages staged through host memory" if f.get("kv_staged") else ""))
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

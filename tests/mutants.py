@@ -122,6 +122,14 @@ MUTANTS = [
     Mutant("engine: the tag check before a step skipped", "kvseal/engine/runner.py",
            "        if self.check_tags:\n            ok = self.tag_check(", "        if False:\n            ok = self.tag_check(",
            tests=[*FAST, "tests/test_prefix_cache.py"], sim=False),
+    # -- a GPU pool's staged transfer (run on host pools with KVSEAL_KV_STAGING=1) ------------------------------------
+    Mutant("staging: decode never copies the landing area into its pool", "kvseal/server/decode.py",
+           "            pool.take_in(h.run.pages)", "            pass",
+           tests=["tests/test_staging.py"], sim=False),
+    Mutant("staging: the landing copy takes every page rather than the lease's", "kvseal/kv/pool.py",
+           "        idx = torch.tensor(pages, dtype=torch.int64)\n        dev = self.kv.device",
+           "        idx = torch.arange(self.cfg.num_pages)\n        dev = self.kv.device",
+           tests=["tests/test_staging.py"], sim=False),
 ]
 
 

@@ -163,8 +163,8 @@ def test_the_model_generates_the_same_tokens_through_the_kernels(fp32_model):
 
 
 def test_the_gpu_check_script_runs_its_correctness_part_here(tmp_path):
-    """bench/gpu.py is the first thing to run on a GPU; its two checks run here, interpreted, so it cannot rot
-    unseen while no GPU is at hand."""
+    """bench/gpu.py is the first thing to run on a GPU; its checks run here, interpreted (the transfer check on
+    the staged path), so it cannot rot unseen while no GPU is at hand."""
     import json
     import subprocess
     import sys
@@ -177,15 +177,18 @@ def test_the_gpu_check_script_runs_its_correctness_part_here(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["ok"] and rep["correctness"][0]["in_place"] and rep["correctness"][0]["max_err"] < 0.02
+    assert rep["transfer"]["write_never_landed"] == {"refused_by_checksum": True,
+                                                     "pool_holds_the_first_requests_bytes": True}
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["serve", "--device", "cuda"], "serves colocated only so far"),
-    (["decode", "--port", "1", "--device", "cuda"], "serves colocated only so far"),
+    (["serve", "--device", "cuda"], "no CUDA device here"),
+    (["decode", "--port", "1", "--device", "cuda"], "no CUDA device here"),
     (["serve", "--colocated", "--device", "cuda"], "no CUDA device here"),
-], ids=["disaggregated", "a-worker", "no-gpu"])
+    (["serve", "--colocated", "--device", "cuda", "--weights", "int8"], "no CUDA device here"),
+], ids=["disaggregated", "a-worker", "colocated", "int8"])
 def test_device_cuda_is_refused_where_it_cannot_run(argv, says, capsys):
-    """Before anything loads, with the reason (the second and third: this CPU-only PyTorch has no CUDA)."""
+    """Before anything loads, with the reason (this CPU-only PyTorch has no CUDA)."""
     from kvseal.cli import main
 
     with pytest.raises(SystemExit) as e:

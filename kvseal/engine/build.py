@@ -20,6 +20,7 @@ from kvseal.kv.preflight import Sizing, pool_tokens_for, preflight
 from kvseal.machine import facts, one_line
 from kvseal.model.cpu import resolve_dtype, resolve_weights
 from kvseal.model.loader import LoadedModel, load
+from kvseal.transfer.staging import staged
 
 # A worker loads on one thread. Two workers of a host start together (``kvseal serve``), and two OpenMP teams
 # spinning on two cores stall each other: measured 2.2 s to a worker's pool alone, 7.2 s each for two at once
@@ -93,8 +94,11 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     pool_cfg = PoolConfig(num_pages=tokens // spec.page_size, page_size=spec.page_size,
                           scrub_on_free=spec.scrub_on_free)
     kv = storage(pool_cfg, m, dtype) if storage else None
-    pool = off_main_thread(lambda: PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype, storage=kv,
-                                            device=spec.device), threads=LOAD_THREADS)
+    # the transport's memory is the pool itself, or (a GPU's pool) the landing area its pages are copied in from
+    landing = kv if kv is not None and staged(spec.device) else None
+    pool = off_main_thread(lambda: PagePool(pool_cfg, m.num_layers, m.num_kv_heads, m.head_dim, dtype,
+                                            storage=None if landing is not None else kv, device=spec.device,
+                                            landing=landing), threads=LOAD_THREADS)
     cfg = EngineConfig(pool=pool_cfg, dtype=dtype_name, max_running=spec.max_running,
                        step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
                        threads=spec.threads, prefix_cache=spec.prefix_cache, protections=spec.protections)
@@ -105,6 +109,8 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
         metrics._pool_counts = engine.page_counts
         metrics.add_source(engine_source(engine))
     engine.machine = facts(spec.dtype, spec.weights, spec.threads, spec.device)
+    if role in ("prefill", "decode"):  # how its pages reach the other worker (kvseal.transfer.staging)
+        engine.machine["kv_staged"] = pool.landing is not None if role == "decode" else staged(spec.device)
     print(one_line(engine.machine), flush=True)
     engine.grammars = Grammars(lambda: lm.tokenizer, m.vocab_size)
     if spec.share_cores:

@@ -68,9 +68,11 @@ def kv_shape(cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int) -> 
 
 class PagePool:
     def __init__(self, cfg: PoolConfig, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, storage: torch.Tensor | None = None, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype, storage: torch.Tensor | None = None, device: str | torch.device = "cpu",
+                 landing: torch.Tensor | None = None) -> None:
         """``device``: where the pages live (a GPU's pool: ``LlamaModel.to_device``); tags stay in host memory,
-        beside the page tables they are checked against."""
+        beside the page tables they are checked against. ``landing``: host memory of the pool's shape that a
+        transport writes into when it cannot write the pool itself (``take_in``, kvseal.transfer.staging)."""
         self.cfg = cfg
         shape = kv_shape(cfg, num_layers, kv_heads, head_dim)
         if storage is None:
@@ -79,9 +81,13 @@ class PagePool:
             storage = torch.zeros(shape, dtype=dtype, device=device)
         if storage.device.type == "cpu":
             populate(storage)  # page faults now, not in the first requests' forwards (kvseal.memory)
-        if tuple(storage.shape) != shape or storage.dtype != dtype:
-            raise ValueError(f"pool storage {tuple(storage.shape)}/{storage.dtype} != {shape}/{dtype}")
+        for t in (storage, landing):
+            if t is not None and (tuple(t.shape) != shape or t.dtype != dtype):
+                raise ValueError(f"pool storage {tuple(t.shape)}/{t.dtype} != {shape}/{dtype}")
+        if landing is not None:
+            populate(landing)
         self.kv = storage
+        self.landing = landing
         n = cfg.num_pages
         self.owner = torch.full((n,), -1, dtype=torch.int64)
         self.generation = torch.zeros(n, dtype=torch.int64)
@@ -177,7 +183,18 @@ class PagePool:
         self.state[idx] = int(PageState.FREE)
         if self.cfg.scrub_on_free:
             self.kv.index_fill_(0, idx.to(self.kv.device), 0)
+            if self.landing is not None:
+                self.landing.index_fill_(0, idx, 0)
         self._free.extend(run.pages)
+
+    def take_in(self, pages: tuple[int, ...] | list[int]) -> None:
+        """Copy these pages, and no others, from the landing area into the pool: a staged transfer has arrived
+        (kvseal.transfer.staging). Nothing to do for a pool the transport writes itself."""
+        if self.landing is None or not pages:
+            return
+        idx = torch.tensor(pages, dtype=torch.int64)
+        dev = self.kv.device
+        self.kv.index_copy_(0, idx.to(dev), self.landing.index_select(0, idx).to(dev))
 
     # -- the read-side check --------------------------------------------------------------------------
     def check_tables(self, table: ArrayLike, gens: ArrayLike, owners: ArrayLike, valid: ArrayLike,

@@ -134,6 +134,8 @@ class EnginePorts:
     def verify(self, h: Held, c: P.Commit, tags: bool, checksum: bool) -> tuple[bool, bool]:
         pool = self.engine.pool
         tags_ok = not tags or pool.run_ok(h.run, c.rid, PageState.RESERVED, self.engine.tenant_tag(h.reserve.tenant))
+        if tags_ok:  # a staged pool (a GPU's): the lease's own pages come in from the landing area, then are hashed
+            pool.take_in(h.run.pages)
         sum_ok = not checksum or P.checksum(pool.kv, c.pages, c.n_tokens, c.rid, c.nonce, c.pages, c.generations,
                                             c.first_token) == c.checksum
         if tags_ok and not sum_ok and self.engine.metrics:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import httpx
 import msgspec
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -33,6 +34,7 @@ from kvseal.server.dashboard import pool_snapshot
 from kvseal.server.decode import ack_error
 from kvseal.server.guard import peer_of
 from kvseal.transfer import messages as P
+from kvseal.transfer.staging import stage_out
 
 
 class EnginePorts:
@@ -167,8 +169,9 @@ class PrefillService:
         self.faults.crash("crash_before_write")
         late = self.faults.fire("reorder_commit")
         try:
+            data, at = stage_out(self.engine.pool.kv, src)  # the pool itself, or a GPU pool's pages copied to the host
             if not late:
-                self._write(src, lease, dst)
+                self._write(data, at, lease, dst)
             self.faults.crash("crash_after_write")
         except Exception as e:  # noqa: BLE001 - the transfer failed: nothing was committed
             acts = self.host.feed(lambda e=e: self.core.written(rid, nonce, EngineError(f"KV transfer failed: {e}")))
@@ -177,12 +180,12 @@ class PrefillService:
             self._on_loop(loop, nonce)
             return
         first = seq.tokens[-1]
-        digest = P.checksum(self.engine.pool.kv, src, n, rid, nonce, dst, lease.generations[:k], first)
+        digest = P.checksum(data, at, n, rid, nonce, dst, lease.generations[:k], first)  # the bytes that were sent
         if self.faults.fire("corrupt_commit"):
             first = (first + 1) % self.engine.model.cfg.vocab_size  # the message changed after it was hashed
         commit = P.Commit(rid=rid, nonce=nonce, n_tokens=n, first_token=first, pages=dst,
                           generations=lease.generations[:k], checksum=digest, cap=lease.cap)
-        late_write = (lambda: self._write(src, lease, dst)) if late else None
+        late_write = (lambda: self._write(data, at, lease, dst)) if late else None
         self.commits[rid] = (commit, late_write, seq.logprob, seq.cached_tokens)
         acts = self.host.feed(lambda: self.core.written(rid, nonce))
         engine, loop = self.host.split(acts)
@@ -191,8 +194,9 @@ class PrefillService:
             self.commits.pop(rid, None)
         self.host.on_loop(loop, nonce)  # SendCommit: hands the commit to the event loop
 
-    def _write(self, src: list[int], lease: P.Lease, dst: list[int]) -> None:
-        """One-sided write of this worker's pages ``src`` into the leased decode pages ``dst``."""
+    def _write(self, data: torch.Tensor, src: list[int], lease: P.Lease, dst: list[int]) -> None:
+        """One-sided write of pages ``src`` of ``data`` (this worker's pool, or its staged copy) into the leased
+        decode pages ``dst``."""
         if self.faults.fire("delay_page_write"):
             time.sleep(self.faults.delay)
         mine = list(self.engine.pool.kv.shape)
@@ -202,7 +206,7 @@ class PrefillService:
         if lease.dtype and lease.dtype != dtype:  # e.g. --dtype auto on two hosts whose CPUs differ
             raise ValueError(f"decode pool holds {lease.dtype}, this worker computes {dtype}: give both --dtype")
         if not self.faults.fire("skip_page_write"):
-            self.writer.write(self.engine.pool.kv, src, lease.target, lease.layout, dst)
+            self.writer.write(data, src, lease.target, lease.layout, dst, transient=data is not self.engine.pool.kv)
         if self.faults.fire("corrupt_page_write"):
             self.writer.corrupt(lease.target, lease.layout, self.engine.pool.kv.dtype, dst)
 

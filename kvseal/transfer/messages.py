@@ -154,10 +154,10 @@ def page_bytes(kv: torch.Tensor, pages: list[int], n_tokens: int) -> list[torch.
     import torch  # here, not at the top: the router speaks these messages and never loads PyTorch
 
     full, rem = divmod(n_tokens, kv.shape[4])
-    parts = [kv[torch.tensor(pages[:full], dtype=torch.int64)]] if full else []
+    parts = [kv[torch.tensor(pages[:full], dtype=torch.int64, device=kv.device)]] if full else []
     if rem:
         parts.append(kv[pages[full], :, :, :, :rem].contiguous())
-    return [p.view(torch.uint8).reshape(-1) for p in parts]
+    return [p.view(torch.uint8).reshape(-1).cpu() for p in parts]  # a GPU pool's bytes are hashed on the host
 
 
 def checksum(kv: torch.Tensor, pages: list[int], n_tokens: int, rid: int, nonce: int, dest_pages: list[int],

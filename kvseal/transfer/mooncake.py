@@ -135,13 +135,23 @@ class MooncakeWriter:
         return s, d, n
 
     def write(self, src: torch.Tensor, src_pages: list[int], target: str, layout: list[int],
-              dst_pages: list[int]) -> None:
-        self._register(src)
-        session, base = target.rsplit("|", 1)
-        s, d, n = self.plan(src, src_pages, layout, int(base), dst_pages)
-        rc = self.engine.batch_transfer_sync_write(session, s, d, n)
-        if rc != 0:
-            raise RuntimeError(f"mooncake batch write to {session} failed: {rc}")
+              dst_pages: list[int], transient: bool = False) -> None:
+        """``transient``: ``src`` is a staged copy of a GPU pool's pages (kvseal.transfer.staging), registered for
+        this write only; the pool itself is registered once and stays."""
+        if transient:
+            if self.engine.register_memory(src.data_ptr(), src.nbytes) != 0:
+                raise RuntimeError("mooncake register_memory failed for a staged transfer")
+        else:
+            self._register(src)
+        try:
+            session, base = target.rsplit("|", 1)
+            s, d, n = self.plan(src, src_pages, layout, int(base), dst_pages)
+            rc = self.engine.batch_transfer_sync_write(session, s, d, n)
+            if rc != 0:
+                raise RuntimeError(f"mooncake batch write to {session} failed: {rc}")
+        finally:
+            if transient:
+                self.engine.unregister_memory(src.data_ptr())
 
     def corrupt(self, target: str, layout: list[int], dtype: torch.dtype, dst_pages: list[int]) -> None:
         """Fault injection only: overwrite the start of the first written page with garbage."""

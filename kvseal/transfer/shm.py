@@ -80,7 +80,8 @@ class ShmWriter:
         return t
 
     def write(self, src: torch.Tensor, src_pages: list[int], path: str, shape: list[int],
-              dst_pages: list[int]) -> None:
+              dst_pages: list[int], transient: bool = False) -> None:
+        """``transient``: ``src`` is a staged copy (kvseal.transfer.staging); plain memory to this transport."""
         dst = self.target(path, shape, src.dtype)
         for s, d, n in chunks(src_pages, dst_pages):  # one contiguous copy per run
             dst[d : d + n].copy_(src[s : s + n])
