@@ -72,7 +72,8 @@ def main() -> int:
                 report["speed"].append({"shape": name, "rows": rows, **speed(kernel, heads, kvh, dim, rows, 512,
                                                                                a.peak_gbs, torch)})
             report["prefill_speed"].append({"shape": name, **prefill_speed(kernel, heads, kvh, dim, 512, torch)})
-    report["ok"] = all(c["ok"] for c in report["correctness"]) and report["engine"]["ok"] and report["transfer"]["ok"]
+    report["ok"] = (all(c["ok"] for c in report["correctness"]) and report["engine"]["ok"]
+                    and report["transfer"]["ok"])
     text = json.dumps(report, indent=1)
     print(text)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

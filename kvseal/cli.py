@@ -59,11 +59,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unsafe-no-all", action="store_true", help=argparse.SUPPRESS)
 
 
-def core_lock(flag: str, threads: int) -> str | None:
+def core_lock(flag: str, threads: int, device: str = "cpu") -> str | None:
     """Engines on one host that each use every core must take turns (kvseal.engine.cores): two OpenMP teams
     on the same cores run several times slower than one at a time. By default they find each other through
-    one lock file per user; an engine given its own threads (--threads) is left alone."""
-    if flag == "none" or (flag == "auto" and threads):
+    one lock file per user; an engine given its own threads (--threads), or one whose model runs on a GPU (its
+    cores only launch work), is left alone."""
+    if flag == "none" or (flag == "auto" and (threads or device != "cpu")):
         return None
     if flag == "auto":
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -75,7 +76,7 @@ def worker_spec(a: argparse.Namespace) -> WorkerSpec:
     return WorkerSpec(model=a.model, dtype=a.dtype, kv_pool_tokens=a.kv_pool_tokens, kv_memory_gib=a.kv_memory,
                       page_size=a.page_size, context=a.context, allow_pool_below_context=a.allow_pool_below_context,
                       max_running=a.max_running, step_token_budget=a.step_token_budget, weights=a.weights,
-                      threads=a.threads, share_cores=core_lock(a.share_cores, a.threads),
+                      threads=a.threads, share_cores=core_lock(a.share_cores, a.threads, a.device),
                       scrub_on_free=a.scrub_on_free, prefix_cache=a.prefix_cache == "on",
                       protections=Protections.from_args(a), tokenizer=a.tokenizer, load_format=a.load_format,
                       shared_weights=getattr(a, "shared_weights", None), device=a.device)

@@ -81,3 +81,23 @@ def test_the_flag_reference_is_current():
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
     assert doc.read_text() == render(), "docs/flags.md is stale: python -m kvseal.flagdoc > docs/flags.md"
+
+
+def test_a_gpu_serve_leaves_its_workers_cores_alone_and_their_weights_unshared():
+    """A model on a GPU: the cores lock (for CPU forwards) is off by default and the workers load their own
+    weights (the shared file holds CPU-packed weights, which a GPU's model cannot use); a lock named is kept."""
+    from pathlib import Path
+
+    from kvseal.server.launch import _shared_weights
+
+    def argv(*words: str) -> list[str]:
+        return _worker_argv(parser().parse_args(["serve", *words]))
+
+    gpu, cpu = argv("--device", "cuda"), argv()
+    assert gpu[gpu.index("--share-cores") + 1] == "none" and gpu[gpu.index("--device") + 1] == "cuda"
+    assert cpu[cpu.index("--share-cores") + 1].startswith("/dev/shm/kvseal-cores-")
+    named = argv("--device", "cuda", "--share-cores", "/tmp/lock")
+    assert named[named.index("--share-cores") + 1] == "/tmp/lock"
+    private = Path("/tmp/private")
+    assert _shared_weights(parser().parse_args(["serve", "--device", "cuda"]), private) == []
+    assert _shared_weights(parser().parse_args(["serve"]), private) == ["--shared-weights", "/tmp/private/weights"]

@@ -83,7 +83,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
     on_cpu = spec.device == "cpu"  # a GPU's model moves there unpacked: no packed copy to keep on the host
     lm = loaded or off_main_thread(lambda: load(spec.model, dtype, tokenizer=spec.tokenizer,
                                                  dummy=spec.load_format == "dummy", weights=weights, release=on_cpu,
-                                                 shared=spec.shared_weights), threads=LOAD_THREADS)
+                                                 shared=spec.shared_weights if on_cpu else None), threads=LOAD_THREADS)
     m = lm.model.cfg
     if lm.model.weights_mode != weights:
         off_main_thread(lambda: lm.model.use_weights(weights), threads=LOAD_THREADS)

@@ -75,7 +75,7 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
         secret = ["--insecure-no-auth"]
     # SIGTERM to this process alone (kill PID, a container's stop) must stop the workers too, not orphan them
     signal.signal(signal.SIGTERM, _interrupt)
-    weights = ["--shared-weights", str(private / "weights")]  # one packed copy for both workers
+    weights = _shared_weights(a, private)
     try:
         for role, port in ports.items():
             fd = socks[role].fileno()
@@ -108,9 +108,15 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if a.share_cores in (None, "auto"):
+        if a.share_cores in (None, "auto") and a.device == "cpu":
             Path(_core_lock_path(a)).unlink(missing_ok=True)
         shutil.rmtree(private, ignore_errors=True)
+
+
+def _shared_weights(a: argparse.Namespace, private: Path) -> list[str]:
+    """One packed copy of the weights for both workers; none for a model on a GPU (it runs unpacked weights,
+    which each worker moves to the GPU itself)."""
+    return ["--shared-weights", str(private / "weights")] if a.device == "cpu" else []
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -118,8 +124,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _core_lock_path(a: argparse.Namespace) -> str:
-    """``serve``'s two workers share a lock of their own unless told which one (or none) to use."""
+    """``serve``'s two workers share a lock of their own unless told which one (or none) to use; by default
+    none for a model on a GPU (its cores only launch work)."""
     if a.share_cores in (None, "auto"):
+        if a.device != "cpu":
+            return "none"
         return f"/dev/shm/kvseal-cores-{a.port}-{os.getpid()}"
     return a.share_cores
 
