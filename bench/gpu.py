@@ -1,12 +1,14 @@
-"""The first GPU check: the Triton paged-attention kernels compiled on the device and kvseal's engine there,
-each held equal to a reference, then the kernels' speed.
+"""The first GPU check: the Triton paged-attention kernels compiled on the device, kvseal's engine and its
+staged KV transfer there, each held equal to a reference; then the kernels' speed and serving under load.
 
+    python bench/gpu_carry.py                # here: the wheels and shapes a GPU machine with no network lacks
     python bench/gpu.py                      # on a CUDA machine: JSON to stdout and bench/out/gpu.json
-    python bench/gpu.py --interpret          # the two checks only, small, on the CPU (Triton's interpreter)
+    python bench/gpu.py --interpret          # the checks only, small, on the CPU (Triton's interpreter)
 
-It needs torch, triton, transformers and this repository (run from its root), and of kvseal's other
-dependencies numpy, xxhash, msgspec and llguidance: carry the last two as wheels where the image lacks them
-(docs/gpu.md says how).
+It needs torch, triton, transformers and this repository (run from its root), and kvseal's other dependencies:
+``bench/gpu_carry.py`` downloads wheels of those the device image lacks, and writes the config-only
+checkpoints the serving part loads with dummy weights (docs/gpu.md says how to carry them). Each part that
+fails is recorded under ``errors`` and the next still runs; the report is written after every part.
 
 - **Correctness**, per model shape (SmolLM2-135M 9/3 heads of 64; Llama-3.2-1B 32/8 of 64; Llama-3.1-8B 32/8
   of 128) in bf16: decode rows with mixed lengths over fragmented page tables whose stale tails hold large values,
@@ -22,6 +24,9 @@ dependencies numpy, xxhash, msgspec and llguidance: carry the last two as wheels
   by ``--peak-gbs`` (the H200's 4,800 GB/s by default; give the copy bandwidth measured on the card instead).
 - **Prefill speed** (not with ``--interpret``): one chunk of 512 tokens from position 0, per shape, in TFLOP/s
   of the causal products (compare with the card's TF32 rate: the block's products run TF32).
+- **Serving** (``--serving``; by default every shape on a GPU, none with ``--interpret``): ``kvseal serve
+  --device cuda``, colocated and disaggregated, dummy weights, at 1, 32 and 256 streams of 512-token prompts
+  and 64 new tokens: output tok/s, TTFT and ITL (p50/p99), one server at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +48,15 @@ def main() -> int:
     ap.add_argument("--interpret", action="store_true", help="run the kernels in Triton's interpreter on the CPU")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="the card's memory bandwidth, GB/s")
     ap.add_argument("--out", default=str(ROOT / "bench/out/gpu.json"))
+    ap.add_argument("--serving", default=None, metavar="SHAPE[,SHAPE]",
+                    help="shapes to serve under load (default: all three on a GPU, none with --interpret)")
+    ap.add_argument("--modes", default="colocated,disaggregated")
+    ap.add_argument("--streams", default="1,32,256")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
+    ap.add_argument("--output", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--shapes-dir", default=str(ROOT / ".gpu-shapes"),
+                    help="config-only checkpoints (bench/gpu_carry.py writes them; bench/shapes.py DIR)")
+    ap.add_argument("--server-args", default="", help="more flags for every kvseal serve it starts")
     a = ap.parse_args()
     if a.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton loads: the kernels are built for the interpreter
@@ -57,28 +72,115 @@ def main() -> int:
         raise SystemExit("no CUDA device: run with --interpret for the CPU check")
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
               "torch": torch.__version__, "triton": __import__("triton").__version__,
-              "correctness": [], "speed": [], "prefill_speed": []}
+              "correctness": [], "speed": [], "prefill_speed": [], "serving": [], "errors": {}}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def section(name: str, fn: Callable[[], None]) -> None:
+        """One part; its failure is recorded and the next part still runs (a device's time is scarce), and the
+        report so far is written after each, so a run cut off still leaves what it measured."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - recorded in the report, which then says ok: false
+            report["errors"][name] = f"{type(e).__name__}: {e}"[-3000:]
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
     kernel = TritonAttention()
     sizes = {"rows": [1, 16, 17, 5], "chunk": (20, 13)} if a.interpret else \
         {"rows": [1, 15, 16, 17, 100, 511, 512, 300], "chunk": (200, 137)}
     shapes = {"smollm2-135m": SHAPES["smollm2-135m"]} if a.interpret else SHAPES
     for name, (heads, kvh, dim) in shapes.items():
-        report["correctness"].append({"shape": name, **check(kernel, heads, kvh, dim, sizes, device, torch)})
-    report["engine"] = engine_check(device, a.interpret, torch)
-    report["transfer"] = transfer_check(device, a.interpret, torch)
+        section(f"correctness {name}", lambda name=name, heads=heads, kvh=kvh, dim=dim: report["correctness"].append(
+            {"shape": name, **check(kernel, heads, kvh, dim, sizes, device, torch)}))
+    section("engine", lambda: report.__setitem__("engine", engine_check(device, a.interpret, torch)))
+    section("transfer", lambda: report.__setitem__("transfer", transfer_check(device, a.interpret, torch)))
     if not a.interpret:
         for name, (heads, kvh, dim) in SHAPES.items():
             for rows in (1, 32, 256):
-                report["speed"].append({"shape": name, "rows": rows, **speed(kernel, heads, kvh, dim, rows, 512,
-                                                                               a.peak_gbs, torch)})
-            report["prefill_speed"].append({"shape": name, **prefill_speed(kernel, heads, kvh, dim, 512, torch)})
-    report["ok"] = (all(c["ok"] for c in report["correctness"]) and report["engine"]["ok"]
-                    and report["transfer"]["ok"])
+                section(f"speed {name} {rows}", lambda name=name, heads=heads, kvh=kvh, dim=dim, rows=rows:
+                        report["speed"].append({"shape": name, "rows": rows, **speed(kernel, heads, kvh, dim, rows,
+                                                                                       512, a.peak_gbs, torch)}))
+            section(f"prefill_speed {name}", lambda name=name, heads=heads, kvh=kvh, dim=dim: report[
+                "prefill_speed"].append({"shape": name, **prefill_speed(kernel, heads, kvh, dim, 512, torch)}))
+    wanted = a.serving if a.serving is not None else ("" if a.interpret else ",".join(SHAPES))
+    for name in [x for x in wanted.split(",") if x]:
+        for mode in a.modes.split(","):
+            section(f"serving {name} {mode}", lambda name=name, mode=mode: report["serving"].append(
+                serving(a, name, mode, device)))
+    report["ok"] = (not report["errors"] and all(c["ok"] for c in report["correctness"])
+                    and report.get("engine", {}).get("ok", False) and report.get("transfer", {}).get("ok", False))
     text = json.dumps(report, indent=1)
     print(text)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(text + "\n")
+    out.write_text(text + "\n")
     return 0 if report["ok"] else 1
+
+
+def serving(a: argparse.Namespace, shape: str, mode: str, device: str) -> dict:
+    """``kvseal serve`` on ``device`` (``--colocated`` or disaggregated on this one host), dummy weights of a
+    config-only checkpoint of ``shape``, then ``a.streams`` concurrent streams of ``a.prompt``-token prompts and
+    ``a.output`` new tokens each, one level after another (``kvseal.bench.level``: output tok/s, TTFT and ITL
+    p50/p99). The pool holds every stream's tokens. Off a GPU (``--interpret``) the disaggregated workers move
+    their pages the way GPU pools do (``KVSEAL_KV_STAGING=1``). The server's log goes beside the report."""
+    import asyncio
+    import shlex
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    from kvseal.bench import level
+
+    model = Path(a.shapes_dir) / shape
+    if not (model / "config.json").is_file():
+        sys.path.insert(0, str(ROOT / "bench"))
+        from shapes import write  # needs the default model's tokenizer: here, not on a GPU machine with no wheel
+
+        write(Path(a.shapes_dir), shape)
+    streams = [int(x) for x in a.streams.split(",")]
+    page = 16
+    tokens = max(streams) * (-(-(a.prompt + a.output + 1) // page) * page)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "kvseal.cli", "serve", *(["--colocated"] if mode == "colocated" else []),
+            "--model", str(model), "--load-format", "dummy", "--device", device, "--port", str(port),
+            "--kv-pool-tokens", str(tokens), "--context", str(-(-(a.prompt + a.output + 1) // page) * page),
+            "--max-running", str(max(streams)), *shlex.split(a.server_args)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)  # the server's kernels: compiled on a GPU; off one, the plain path
+    if device == "cpu":
+        env["KVSEAL_KV_STAGING"] = "1"
+    log = Path(a.out).parent / f"serve-{shape}-{mode}.log"
+    row = {"shape": shape, "mode": mode, "prompt": a.prompt, "output": a.output, "pool_tokens": tokens}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve exited {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() - t0 > 900:
+                raise TimeoutError(f"serve not healthy in 900 s: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        row["start_s"] = time.time() - t0
+        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        row["levels"] = [asyncio.run(level(url, name, n, a.prompt, a.output, 1)) for n in streams]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return row
 
 
 def pool(lens: list[int], kvh: int, dim: int, torch, gen):

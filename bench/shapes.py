@@ -2,7 +2,7 @@
 ``config.json`` as the model's own, and SmolLM2's tokenizer (smaller than their vocabularies, so every id it
 makes is valid). Nothing is downloaded.
 
-    python bench/shapes.py DIR            # writes DIR/llama-3.2-1b and DIR/llama-3.1-8b
+    python bench/shapes.py DIR            # writes DIR/smollm2-135m, DIR/llama-3.2-1b and DIR/llama-3.1-8b
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from pathlib import Path
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 SHAPES = {
+    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": True,
+                     "rope_theta": 100000.0},  # the default model's own shape
     "llama-3.2-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
                      "rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE},

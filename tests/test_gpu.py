@@ -164,7 +164,8 @@ def test_the_model_generates_the_same_tokens_through_the_kernels(fp32_model):
 
 def test_the_gpu_check_script_runs_its_correctness_part_here(tmp_path):
     """bench/gpu.py is the first thing to run on a GPU; its checks run here, interpreted (the transfer check on
-    the staged path), so it cannot rot unseen while no GPU is at hand."""
+    the staged path), and its serving part against a disaggregated server of the default model's shape, so it
+    cannot rot unseen while no GPU is at hand."""
     import json
     import subprocess
     import sys
@@ -172,13 +173,18 @@ def test_the_gpu_check_script_runs_its_correctness_part_here(tmp_path):
 
     script = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
     out = tmp_path / "gpu.json"
-    r = subprocess.run([sys.executable, str(script), "--interpret", "--out", str(out)], capture_output=True,
-                       text=True, timeout=300, check=False)
+    serving = ["--serving", "smollm2-135m", "--modes", "disaggregated", "--streams", "2", "--prompt", "32",
+               "--output", "8", "--shapes-dir", str(tmp_path / "shapes"), "--server-args", "--threads 1"]
+    r = subprocess.run([sys.executable, str(script), "--interpret", "--out", str(out), *serving],
+                       capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["ok"] and rep["correctness"][0]["in_place"] and rep["correctness"][0]["max_err"] < 0.02
     assert rep["transfer"]["write_never_landed"] == {"refused_by_checksum": True,
                                                      "pool_holds_the_first_requests_bytes": True}
+    [row] = rep["serving"]
+    assert row["mode"] == "disaggregated" and row["levels"][0]["output_tok_s"] > 0 and not rep["errors"]
+    assert "KV pages staged through host memory" in (tmp_path / "serve-smollm2-135m-disaggregated.log").read_text()
 
 
 @pytest.mark.parametrize("argv,says", [
