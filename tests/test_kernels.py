@@ -176,18 +176,20 @@ def test_the_native_forward_gives_the_reference_logits(bf16_model, fp32_model):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 32), (12, 2, 128), (16, 2, 64)])
 @pytest.mark.parametrize("pos0,n", [(0, 1), (0, 37), (3, 16), (40, 5), (100, 70)])
-def test_prefill_kernel_matches_reference(kernel, heads, kv_heads, dim, pos0, n):
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-5)], ids=["bf16", "fp32"])
+def test_prefill_kernel_matches_reference(kernel, heads, kv_heads, dim, pos0, n, dtype, tol):
     """A causal chunk read in place equals SDPA over the gathered pages (fp32), whatever the chunk's start,
-    length and page fragmentation."""
+    length and page fragmentation. bf16 at the AVX-512 BF16 level; fp32 (probabilities kept in fp32) at the
+    AVX2 and AVX-512 levels."""
     from kvseal.model.attention import Span, _chunk_mask
     gen = torch.Generator().manual_seed(pos0 * 7 + n + dim)
     layers, page, n_pages = 2, 16, 64
-    kv = torch.randn(n_pages, layers, 2, kv_heads, page, dim, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(n_pages, layers, 2, kv_heads, page, dim, generator=gen).to(dtype)
     width = -(-(pos0 + n) // page)
     pages = torch.randperm(n_pages, generator=gen)[:width].contiguous()
-    q = torch.randn(n, heads + kv_heads, dim, generator=gen).to(torch.bfloat16)[:, :heads]
+    q = torch.randn(n, heads + kv_heads, dim, generator=gen).to(dtype)[:, :heads]
     if not kernel.prefill_fits(q, kv):
-        pytest.skip("this CPU has no AVX-512 BF16: the plain path runs (tested by the model tests)")
+        pytest.skip("no prefill kernel for this dtype at this level: the plain path runs (the model tests)")
     span = Span(0, n, pos0, pages)
     for layer in range(layers):
         rows = gather_rows(kv, pages[None])
@@ -196,7 +198,7 @@ def test_prefill_kernel_matches_reference(kernel, heads, kv_heads, dim, pos0, n)
             q.float().transpose(0, 1)[None], ks, vs, attn_mask=_chunk_mask(span, page), enable_gqa=True)
         ref = ref[0].transpose(0, 1).reshape(n, -1)
         got = kernel.prefill(q, kv, layer, pages, pos0)
-        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
 def test_prefill_kernel_is_as_accurate_as_bf16_sdpa(kernel):
@@ -233,8 +235,8 @@ def test_the_native_layer_loop_equals_the_python_one(bf16_model, fp32_model, dty
     ``_layers_fused``: a bf16 step mixing decode rows of ragged lengths with two prefill chunks (one from
     position 0, one over earlier pages) gives bit-identical logits and writes bit-identical K/V into the pool.
     With ``--weights int8`` a step of at most 8 rows runs the int8 kernel in both loops. fp32 (``--dtype auto``
-    without bf16 dot products; bf16 or int8 weights read by the GEMMs), and any dtype at a level without the
-    prefill kernel, take steps of decode rows alone."""
+    without bf16 dot products; bf16 or int8 weights read by the GEMMs) takes its prefill chunks through the fp32
+    prefill kernel (AVX2 and AVX-512); a dtype at a level without a prefill kernel takes decode rows alone."""
     model = (bf16_model if dtype == "bf16" else fp32_model).model
     k, cfg = model.decode_kernel, model.cfg
     prefill = k is not None and k.prefill_takes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

@@ -54,19 +54,25 @@ class DecodeKernel:
         group, dim, page = _I64(), _I64(), _I64()
         lib.kvseal_decode_limits(ctypes.byref(group), ctypes.byref(dim), ctypes.byref(page))
         self.limits = (group.value, dim.value, page.value)
-        self._prefill = lib.kvseal_prefill_attention_bf16
-        self._prefill.argtypes, self._prefill.restype = [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float], ctypes.c_int
-        self._prefill_supported = lib.kvseal_prefill_supported
-        self._prefill_supported.argtypes, self._prefill_supported.restype = [_I64] * 4, ctypes.c_int
+        self._prefill = {torch.bfloat16: lib.kvseal_prefill_attention_bf16,
+                         torch.float32: lib.kvseal_prefill_attention_f32}
+        self._prefill_supported = {torch.bfloat16: lib.kvseal_prefill_supported,
+                                   torch.float32: lib.kvseal_prefill_f32_supported}
+        for fn in self._prefill.values():
+            fn.argtypes, fn.restype = [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float], ctypes.c_int
+        for fn in self._prefill_supported.values():
+            fn.argtypes, fn.restype = [_I64] * 4, ctypes.c_int
 
     def prefill_fits(self, q: torch.Tensor, kv: torch.Tensor) -> bool:
-        """Whether ``prefill`` takes this shape (bf16, 16-slot pages, a library of the AVX-512 BF16 level, ...)."""
+        """Whether ``prefill`` takes this shape (16-slot pages; bf16 at the AVX-512 BF16 level, fp32 at the AVX2
+        and AVX-512 levels; ...)."""
         _, heads, dim = q.shape
         return q.dtype == kv.dtype and self.prefill_takes(heads, kv.shape[3], dim, kv)
 
     def prefill_takes(self, heads: int, kv_heads: int, dim: int, kv: torch.Tensor) -> bool:
         """``prefill_fits`` for a query of ``heads`` x ``dim`` in the model's dtype."""
-        return kv.dtype == torch.bfloat16 and bool(self._prefill_supported(heads, kv_heads, dim, kv.shape[4]))
+        fn = self._prefill_supported.get(kv.dtype)
+        return fn is not None and bool(fn(heads, kv_heads, dim, kv.shape[4]))
 
     def prefill(self, q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, pos0: int) -> torch.Tensor:
         """Causal attention of one chunk: ``q [n, H, D]`` (rows of any stride) at positions ``pos0 ..
@@ -76,8 +82,8 @@ class DecodeKernel:
         assert pages.dtype == torch.int64 and pages.is_contiguous() and pages.shape[0] * kv.shape[4] >= pos0 + n
         out = torch.empty((n, heads * dim), dtype=q.dtype)
         _, layers, _, kv_heads, page_size, _ = kv.shape
-        ok = self._prefill(q.data_ptr(), q.stride(0), kv.data_ptr(), out.data_ptr(), pages.data_ptr(), n, pos0,
-                           heads, kv_heads, dim, page_size, layers, layer, dim**-0.5)
+        ok = self._prefill[kv.dtype](q.data_ptr(), q.stride(0), kv.data_ptr(), out.data_ptr(), pages.data_ptr(), n,
+                                     pos0, heads, kv_heads, dim, page_size, layers, layer, dim**-0.5)
         assert ok, "prefill kernel called for a shape it does not take (check prefill_fits)"
         return out
 
@@ -231,8 +237,8 @@ class Gemm:
 
 class NativeLayers:
     """All decoder layers of one forward in one call (``csrc/layers.cpp``): the kernels of
-    ``LlamaModel._layers_fused`` in the same order, without the Python loop around them. bf16, or fp32 for
-    steps of decode rows only (there is no fp32 prefill kernel)."""
+    ``LlamaModel._layers_fused`` in the same order, without the Python loop around them. bf16 or fp32 (a step
+    with a prefill chunk only where ``DecodeKernel.prefill_takes`` its shape)."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)

@@ -6,8 +6,8 @@
 // C++ and only the kernels' own OpenMP regions remain.
 //
 // Two element types: bf16 (kvseal_layers_bf16) and fp32 (kvseal_layers_f32: the fp32 compute of --dtype auto on
-// a CPU without bf16 dot products, weights read as bf16 or int8 by the GEMMs). fp32 has no prefill attention
-// kernel, so its loop takes decode rows only.
+// a CPU without bf16 dot products, weights read as bf16 or int8 by the GEMMs). fp32 prefill chunks need the
+// fp32 prefill attention kernel (the AVX2 and AVX-512 levels); at the generic level such steps stay in Python.
 #include <chrono>
 
 #include "common.h"
@@ -47,6 +47,9 @@ void kvseal_decode_attention_f32(const float* q, int64_t q_row_stride, const flo
 int kvseal_prefill_attention_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_t* kv, uint16_t* out,
                                   const int64_t* pages, int64_t n, int64_t pos0, int64_t heads, int64_t kv_heads,
                                   int64_t dim, int64_t page_size, int64_t layers, int64_t layer, float scale);
+int kvseal_prefill_attention_f32(const float* q, int64_t q_row_stride, const float* kv, float* out,
+                                 const int64_t* pages, int64_t n, int64_t pos0, int64_t heads, int64_t kv_heads,
+                                 int64_t dim, int64_t page_size, int64_t layers, int64_t layer, float scale);
 }
 
 namespace {
@@ -99,7 +102,8 @@ inline int prefill(const T* q, int64_t stride, const T* kv, T* out, const int64_
     return kvseal_prefill_attention_bf16(q, stride, kv, out, pages, n, pos0, heads, kvh, dim, page, layers, layer,
                                          scale);
   else
-    return 0;  // no fp32 prefill kernel: the caller sends such steps through Python
+    return kvseal_prefill_attention_f32(q, stride, kv, out, pages, n, pos0, heads, kvh, dim, page, layers, layer,
+                                        scale);
 }
 
 template <typename T>
