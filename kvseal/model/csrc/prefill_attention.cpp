@@ -20,10 +20,58 @@
 // fp32 pools (the fp32 compute of --dtype auto on a CPU without bf16 dot products) have their own path at the
 // AVX2 and AVX-512 levels: the same tasks and online softmax with lanes as query rows (8 on AVX2, 16 on
 // AVX-512), fp32 FMAs with each key's (and each value's) element broadcast, probabilities kept in fp32.
+#include <type_traits>
+
 #include "common.h"
 
 namespace {
 using namespace kvseal;
+
+#if defined(__AVX2__)
+// The kernel instance for G query heads per kv head and head dimension D on 16-slot pages (G <= 8, D of 32, 64
+// or 128), or nullptr: make(g, d) returns the instance for the constants g and d (std::integral_constant).
+template <typename Task, typename Make>
+Task for_shape(int64_t group, int64_t dim, int64_t page_size, Make make) {
+  if (page_size != 16) return nullptr;
+  const auto by_group = [&](auto d) -> Task {
+    switch (group) {
+      case 1: return make(std::integral_constant<int, 1>{}, d);
+      case 2: return make(std::integral_constant<int, 2>{}, d);
+      case 3: return make(std::integral_constant<int, 3>{}, d);
+      case 4: return make(std::integral_constant<int, 4>{}, d);
+      case 5: return make(std::integral_constant<int, 5>{}, d);
+      case 6: return make(std::integral_constant<int, 6>{}, d);
+      case 7: return make(std::integral_constant<int, 7>{}, d);
+      case 8: return make(std::integral_constant<int, 8>{}, d);
+      default: return nullptr;
+    }
+  };
+  switch (dim) {
+    case 32: return by_group(std::integral_constant<int, 32>{});
+    case 64: return by_group(std::integral_constant<int, 64>{});
+    case 128: return by_group(std::integral_constant<int, 128>{});
+    default: return nullptr;
+  }
+}
+
+// A chunk of n query rows as tasks of (block of `block` rows, kv head), on the OpenMP threads; later blocks
+// see more keys, so they start first.
+template <typename T, typename Task>
+void run_blocks(Task task, int64_t block, const T* q, int64_t q_row_stride, const T* kv, T* out,
+                const int64_t* pages, int64_t n, int64_t pos0, int64_t heads, int64_t kv_heads, int64_t dim,
+                int64_t page_size, int64_t layers, int64_t layer, float scale) {
+  const int64_t group = heads / kv_heads, row = page_size * dim, page_stride = layers * 2 * kv_heads * row;
+  const int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < blocks * kv_heads; ++t) {
+    const int64_t blk = blocks - 1 - t / kv_heads, h = t % kv_heads;
+    const int64_t i0 = blk * block, rows = n - i0 < block ? n - i0 : block;
+    task(q + i0 * q_row_stride + h * group * dim, q_row_stride, kv, pages, rows, pos0 + i0, page_stride,
+         layer * 2 * kv_heads * row + h * row, kv_heads * row, scale, out + i0 * heads * dim + h * group * dim,
+         heads * dim);
+  }
+}
+#endif
 
 #if defined(__AVX512BF16__)
 using PrefillTask = void (*)(const uint16_t* q, int64_t q_row_stride, const uint16_t* kv, const int64_t* pages,
@@ -169,29 +217,10 @@ void prefill_task(const uint16_t* q, int64_t q_row_stride, const uint16_t* kv, c
   }
 }
 
-template <int C>
-PrefillTask prefill_for_group(int64_t group) {
-  switch (group) {
-    case 1: return prefill_task<1, C>;
-    case 2: return prefill_task<2, C>;
-    case 3: return prefill_task<3, C>;
-    case 4: return prefill_task<4, C>;
-    case 5: return prefill_task<5, C>;
-    case 6: return prefill_task<6, C>;
-    case 7: return prefill_task<7, C>;
-    case 8: return prefill_task<8, C>;
-    default: return nullptr;
-  }
-}
-
 PrefillTask prefill_path(int64_t group, int64_t dim, int64_t page_size) {
-  if (page_size != 16) return nullptr;
-  switch (dim) {
-    case 32: return prefill_for_group<1>(group);
-    case 64: return prefill_for_group<2>(group);
-    case 128: return prefill_for_group<4>(group);
-    default: return nullptr;
-  }
+  return for_shape<PrefillTask>(group, dim, page_size, [](auto g, auto d) {
+    return &prefill_task<decltype(g)::value, decltype(d)::value / 32>;
+  });
 }
 #endif
 
@@ -318,29 +347,10 @@ void prefill_task_f32(const float* q, int64_t q_row_stride, const float* kv, con
   }
 }
 
-template <int D>
-PrefillTaskF32 prefill_f32_for_group(int64_t group) {
-  switch (group) {
-    case 1: return prefill_task_f32<1, D>;
-    case 2: return prefill_task_f32<2, D>;
-    case 3: return prefill_task_f32<3, D>;
-    case 4: return prefill_task_f32<4, D>;
-    case 5: return prefill_task_f32<5, D>;
-    case 6: return prefill_task_f32<6, D>;
-    case 7: return prefill_task_f32<7, D>;
-    case 8: return prefill_task_f32<8, D>;
-    default: return nullptr;
-  }
-}
-
 PrefillTaskF32 prefill_path_f32(int64_t group, int64_t dim, int64_t page_size) {
-  if (page_size != 16) return nullptr;
-  switch (dim) {
-    case 32: return prefill_f32_for_group<32>(group);
-    case 64: return prefill_f32_for_group<64>(group);
-    case 128: return prefill_f32_for_group<128>(group);
-    default: return nullptr;
-  }
+  return for_shape<PrefillTaskF32>(group, dim, page_size, [](auto g, auto d) {
+    return &prefill_task_f32<decltype(g)::value, decltype(d)::value>;
+  });
 }
 #endif
 
@@ -365,20 +375,10 @@ int kvseal_prefill_attention_bf16(const uint16_t* q, int64_t q_row_stride, const
                                   const int64_t* pages, int64_t n, int64_t pos0, int64_t heads, int64_t kv_heads,
                                   int64_t dim, int64_t page_size, int64_t layers, int64_t layer, float scale) {
 #if defined(__AVX512BF16__)
-  if (heads % kv_heads != 0) return 0;
-  const int64_t group = heads / kv_heads;
-  const PrefillTask task = prefill_path(group, dim, page_size);
+  const PrefillTask task = heads % kv_heads ? nullptr : prefill_path(heads / kv_heads, dim, page_size);
   if (task == nullptr) return 0;
-  const int64_t row = page_size * dim, page_stride = layers * 2 * kv_heads * row, blocks = (n + 15) / 16;
-  // later blocks see more keys: start them first
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t t = 0; t < blocks * kv_heads; ++t) {
-    const int64_t blk = blocks - 1 - t / kv_heads, h = t % kv_heads;
-    const int64_t i0 = blk * 16, rows = n - i0 < 16 ? n - i0 : 16;
-    task(q + i0 * q_row_stride + h * group * dim, q_row_stride, kv, pages, rows, pos0 + i0, page_stride,
-         layer * 2 * kv_heads * row + h * row, kv_heads * row, scale, out + i0 * heads * dim + h * group * dim,
-         heads * dim);
-  }
+  run_blocks(task, 16, q, q_row_stride, kv, out, pages, n, pos0, heads, kv_heads, dim, page_size, layers, layer,
+             scale);
   return 1;
 #else
   (void)q, (void)q_row_stride, (void)kv, (void)out, (void)pages, (void)n, (void)pos0, (void)heads;
@@ -401,19 +401,10 @@ int kvseal_prefill_attention_f32(const float* q, int64_t q_row_stride, const flo
                                  const int64_t* pages, int64_t n, int64_t pos0, int64_t heads, int64_t kv_heads,
                                  int64_t dim, int64_t page_size, int64_t layers, int64_t layer, float scale) {
 #if defined(__AVX2__)
-  if (heads % kv_heads != 0) return 0;
-  const int64_t group = heads / kv_heads;
-  const PrefillTaskF32 task = prefill_path_f32(group, dim, page_size);
+  const PrefillTaskF32 task = heads % kv_heads ? nullptr : prefill_path_f32(heads / kv_heads, dim, page_size);
   if (task == nullptr) return 0;
-  const int64_t row = page_size * dim, page_stride = layers * 2 * kv_heads * row, blocks = (n + W - 1) / W;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t t = 0; t < blocks * kv_heads; ++t) {
-    const int64_t blk = blocks - 1 - t / kv_heads, h = t % kv_heads;
-    const int64_t i0 = blk * W, rows = n - i0 < W ? n - i0 : W;
-    task(q + i0 * q_row_stride + h * group * dim, q_row_stride, kv, pages, rows, pos0 + i0, page_stride,
-         layer * 2 * kv_heads * row + h * row, kv_heads * row, scale, out + i0 * heads * dim + h * group * dim,
-         heads * dim);
-  }
+  run_blocks(task, W, q, q_row_stride, kv, out, pages, n, pos0, heads, kv_heads, dim, page_size, layers, layer,
+             scale);
   return 1;
 #else
   (void)q, (void)q_row_stride, (void)kv, (void)out, (void)pages, (void)n, (void)pos0, (void)heads;
