@@ -11,11 +11,13 @@
 namespace {
 using namespace kvseal;
 
-inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void widen(const uint16_t* src, float* dst, int64_t n) {
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+// n elements of the pool as fp32: an fp32 pool's in place, a bf16 pool's widened into buf
+inline const float* kp_f32(const float* src, float*, int64_t) { return src; }
+inline const float* kp_f32(const uint16_t* src, float* buf, int64_t n) {
+  uint32_t* d = reinterpret_cast<uint32_t*>(buf);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
+  return buf;
 }
 
 constexpr int kMaxGroup = 16;
@@ -160,7 +162,7 @@ inline FastTask fast_path(const uint16_t*, int64_t, int64_t, int64_t) { return n
 inline void (*fast_path(const float*, int64_t, int64_t, int64_t))(const float*, const float*, const int64_t*,
                                                                    int64_t, int64_t, int64_t, int64_t, float,
                                                                    float*) {
-  return nullptr;  // fp32 pools (tests, references) take the portable loop
+  return nullptr;  // fp32 pools (the fp32 compute of CPUs without bf16 dot products) take the portable loop
 }
 
 template <typename T>
@@ -184,7 +186,7 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, con
     }
     float qf[kMaxGroup][kMaxDim], acc[kMaxGroup][kMaxDim], m[kMaxGroup], l[kMaxGroup];
     float s[kMaxGroup][kMaxPage];
-    alignas(64) float kf[kMaxPage * kMaxDim], vf[kMaxPage * kMaxDim];
+    alignas(64) float kbuf[kMaxPage * kMaxDim], vbuf[kMaxPage * kMaxDim];
     for (int64_t g = 0; g < group; ++g) {
       const T* qp = q + b * q_row_stride + (h * group + g) * dim;
       for (int64_t d = 0; d < dim; ++d) {
@@ -199,8 +201,9 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, con
       const int64_t n = len - p * page_size < page_size ? len - p * page_size : page_size;
       const T* kp = kv + pages[b * max_pages + p] * page_stride + layer_off + h * row;
       const T* vp = kp + kv_heads * row;
-      widen(kp, kf, n * dim);  // one page's keys, then values, as fp32: the loops below vectorize
-      widen(vp, vf, n * dim);
+      // one page's keys, then values, as fp32 (an fp32 pool's are read where they are): the loops below vectorize
+      const float* kf = kp_f32(kp, kbuf, n * dim);
+      const float* vf = kp_f32(vp, vbuf, n * dim);
       for (int64_t g = 0; g < group; ++g) {
         float mx = m[g];
         for (int64_t t = 0; t < n; ++t) {
