@@ -19,9 +19,12 @@ from kvseal.transfer import messages as P
 
 
 # -- abort-ack retention: a late write never lands in a page handed to another request -----------------
-def decode_service(prot: Protections) -> DecodeService:
+def decode_service(prot: Protections, landing: bool = False) -> DecodeService:
+    """``landing``: the pool has a landing area, as a GPU pool's (kvseal.transfer.staging), holding bytes of
+    its own."""
     cfg = EngineConfig(pool=PoolConfig(num_pages=2, page_size=16), dtype="fp32", protections=prot)
-    pool = PagePool(cfg.pool, 2, 1, 8, torch.float32)
+    land = torch.full((2, 2, 2, 1, 16, 8), 7.0) if landing else None
+    pool = PagePool(cfg.pool, 2, 1, 8, torch.float32, landing=land)
     return DecodeService(Engine(cfg, None, pool, role="decode").start(), (), "unused", "d0", reserve_wait=2.0)
 
 
@@ -202,8 +205,8 @@ def test_a_duplicate_reserve_racing_the_first_leaks_no_pages():
 
 
 # -- decode's tag check at commit: a leased page handed to anyone else is never read as the lease's ----------
-async def retagged_commit(prot: Protections) -> tuple[P.Ack, dict]:
-    svc = decode_service(prot)
+async def retagged_commit(prot: Protections, landing: bool = False) -> tuple[P.Ack, dict]:
+    svc = decode_service(prot, landing)
     try:
         lease = await svc.reserve(reserve(1))
         k = svc.pool.cfg.pages_for(20)
@@ -221,6 +224,28 @@ def test_a_commit_into_pages_tagged_for_another_request_is_refused():
     ack, refused = asyncio.run(retagged_commit(Protections()))
     assert not ack.ok and ack.status == 500 and ack.code == "kv_integrity_error", ack
     assert refused == {"tag": 1}
+
+
+def test_a_staged_commit_into_pages_tagged_for_another_request_leaves_them_as_they_were():
+    """A GPU pool's commit copies the lease's pages in from the landing area only once their tags hold: pages a
+    pool bug handed to another request keep that request's bytes."""
+    async def run() -> tuple[P.Ack, bool]:
+        svc = decode_service(Protections(), landing=True)
+        try:
+            lease = await svc.reserve(reserve(1))
+            k = svc.pool.cfg.pages_for(20)
+            svc.pool.owner[lease.pages[0]] = 99  # request 99's page now, holding its keys and values
+            svc.pool.kv[lease.pages[0]] = 1.0
+            ack = await svc.commit(P.Commit(rid=1, nonce=lease.nonce, n_tokens=20, first_token=0,
+                                            pages=lease.pages[:k], generations=lease.generations[:k], checksum="0",
+                                            cap=lease.cap))
+            return ack, bool((svc.pool.kv[lease.pages[0]] == 1.0).all())
+        finally:
+            svc.engine.stop()
+
+    ack, untouched = asyncio.run(run())
+    assert not ack.ok and ack.code == "kv_integrity_error", ack
+    assert untouched, "the landing area was copied over another request's page"
 
 
 def test_without_page_tags_the_retagged_pages_are_read():
