@@ -290,6 +290,7 @@ def transfer_check(device: str, interpret: bool, torch) -> dict:
     second lease on the same pages whose write never lands. The landing area still holds the first request's
     bytes; the checksum must refuse them (with it off, they are what decode would attend over). On the CPU
     (``--interpret``) the same path runs with ``KVSEAL_KV_STAGING=1``."""
+    import shutil
     import tempfile
     import time
 
@@ -335,7 +336,11 @@ def transfer_check(device: str, interpret: bool, torch) -> dict:
         stale = {"refused_by_checksum": sent2 != got2,
                  "pool_holds_the_first_requests_bytes": bool(torch.equal(dec.kv[dst], pre.kv[src]))}
         out = {"first_transfer": first, "write_never_landed": stale}
-        if not interpret:  # one 256-page transfer end to end: stage out, write, take in
+        # one 256-page transfer end to end (stage out, write, take in), if the file's 1 GiB fits where it lives:
+        # a write past a full tmpfs is a SIGBUS, which would end this script and every part after this one
+        room = shutil.disk_usage(Path(f.name).parent).free
+        out["landing_dir_free_gib"] = room / 2**30
+        if not interpret and room >= 2 * 512 * pre.kv[0].nbytes:
             big = PoolConfig(num_pages=512, page_size=PS)
             bshape = (512, layers, 2, kvh, PS, dim)
             bpre = PagePool(big, layers, kvh, dim, torch.bfloat16, device=device)
