@@ -61,7 +61,7 @@ def test_bf16_linear_equals_f_linear_and_ignores_batch_size(level):
     on); oneDNN's does, for one row of the down projection (K = 1536), which is why the native GEMM serves
     every step where it is built."""
     gen = torch.Generator().manual_seed(3)
-    for n, k in ((3072, 576), (576, 1536), (48 * 3 + 16, 64)):
+    for n, k in ((3072, 576), (576, 1536), (48 * 3 + 16, 64), (48 + 32, 64)):
         w = (0.05 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
         x = torch.randn(512, k, generator=gen).to(torch.bfloat16)
         ref = F.linear(x, w)
@@ -83,7 +83,7 @@ def test_bf16_linear_equals_f_linear_and_ignores_batch_size(level):
         assert (full != ref).float().mean() < 2e-3
         exact = x.float() @ w.float().T
         assert (full.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean() * 1.01
-        for rows in (1, 3, 8, 9, 32, 100):
+        for rows in (1, 2, 3, 8, 9, 32, 100):  # one or two rows take wider panels than more
             assert torch.equal(native(x[:rows].contiguous()), full[:rows])
             assert torch.equal(native(x[rows:2 * rows]), full[rows:2 * rows])
 
@@ -94,7 +94,7 @@ def test_fp32_activations_with_bf16_weights_equal_f_linear_on_the_rounded_weight
     step."""
     gen = torch.Generator().manual_seed(6)
     gemm = Gemm(library_path(level))
-    for n, k in ((3072, 576), (576, 1536), (48 * 3 + 16, 64)):
+    for n, k in ((3072, 576), (576, 1536), (48 * 3 + 16, 64), (48 + 32, 64)):
         w = 0.05 * torch.randn(n, k, generator=gen)
         if not gemm.fits(w):
             pytest.skip(f"no native GEMM at the {level} level")
@@ -105,7 +105,7 @@ def test_fp32_activations_with_bf16_weights_equal_f_linear_on_the_rounded_weight
         ref = F.linear(x, w.to(torch.bfloat16).float())
         bound = (x.abs() @ w.abs().T) * 2.0**-20  # a few fp32 ulps of the sum of |products|
         assert ((full - ref).abs() <= bound).all()
-        for rows in (1, 3, 8, 9, 32):
+        for rows in (1, 2, 3, 8, 9, 32):  # one or two rows take wider panels than more
             assert torch.equal(gemm(x[:rows].contiguous(), packed, n), full[:rows])
             assert torch.equal(gemm(x[rows:2 * rows], packed, n), full[rows:2 * rows])
 
