@@ -159,11 +159,110 @@ using FastTask = void (*)(const uint16_t*, const uint16_t*, const int64_t*, int6
                           float, uint16_t*);
 inline FastTask fast_path(const uint16_t*, int64_t, int64_t, int64_t) { return nullptr; }
 #endif
-inline void (*fast_path(const float*, int64_t, int64_t, int64_t))(const float*, const float*, const int64_t*,
-                                                                   int64_t, int64_t, int64_t, int64_t, float,
-                                                                   float*) {
-  return nullptr;  // fp32 pools (the fp32 compute of CPUs without bf16 dot products) take the portable loop
+
+// The fp32 fast path for 16-slot pages (AVX2 and up: the fp32 compute of --dtype auto on CPUs without bf16
+// dot products). The portable loop sums each key's dot product across the lanes on its own; here a query
+// takes 8 keys at a time into 8 partial-sum vectors, and one tree of horizontal adds turns them into the 8
+// scores, in key order. Each query (its G queries share the page, read from L1) keeps its accumulator chunk
+// in registers while it walks the page's values. q is scaled first, as in the portable loop. Measured on a
+// Zen 4 held to AVX2 (30 layers of SmolLM2's heads): one row of 190 tokens 0.90 -> 0.55 ms, 32 rows of 192
+// 24.9 -> 21.8 ms; there both paths wait on memory (software prefetch of the next pages, as the bf16 path
+// does, measured no faster).
+using FastTaskF32 = void (*)(const float* q, const float* kv, const int64_t* pages, int64_t len,
+                             int64_t page_stride, int64_t head_off, int64_t v_off, float scale, float* out);
+#if defined(__AVX2__)
+inline __m256 hsum8x8(const __m256 v[8]) {  // lane t = the sum of v[t]'s lanes
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
+
+template <int G, int NV>  // G queries per kv head, NV = head_dim / 8
+void fast_task_f32(const float* q, const float* kv, const int64_t* pages, int64_t len, int64_t page_stride,
+                   int64_t head_off, int64_t v_off, float scale, float* out) {
+  constexpr int D = 8 * NV, P = 16, CH = NV < 8 ? NV : 8;  // CH: accumulator vectors in registers at a time
+  alignas(32) float qs[G][D], acc[G][D], pw[P];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int d = 0; d < D; ++d) {
+      qs[g][d] = q[g * D + d] * scale;
+      acc[g][d] = 0.f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  for (int64_t p = 0; p * P < len; ++p) {
+    const int n = len - p * P < P ? static_cast<int>(len - p * P) : P;
+    const float* kp = kv + pages[p] * page_stride + head_off;
+    const float* vp = kp + v_off;
+    for (int g = 0; g < G; ++g) {
+      alignas(32) float sc[P];
+      for (int h = 0; h < P / 8; ++h) {
+        __m256 part[8];
+        for (int t = 0; t < 8; ++t) part[t] = _mm256_setzero_ps();
+        for (int c = 0; c < NV; ++c) {
+          const __m256 qv = _mm256_load_ps(qs[g] + 8 * c);
+          for (int t = 0; t < 8; ++t) part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp + (8 * h + t) * D + 8 * c), part[t]);
+        }
+        _mm256_store_ps(sc + 8 * h, hsum8x8(part));
+      }
+      float mx = m[g];
+      for (int t = 0; t < n; ++t) mx = sc[t] > mx ? sc[t] : mx;
+      const float corr = std::exp(m[g] - mx);
+      m[g] = mx;
+      float sum = 0.f;
+      for (int h = 0; h < P / 8; ++h) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sc + 8 * h), _mm256_set1_ps(mx)));
+        _mm256_store_ps(pw + 8 * h, e);
+      }
+      for (int t = 0; t < n; ++t) sum += pw[t];
+      l[g] = l[g] * corr + sum;
+      for (int c0 = 0; c0 < NV; c0 += CH) {
+        __m256 a[CH];
+        const __m256 cv = _mm256_set1_ps(corr);
+        for (int c = 0; c < CH; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * (c0 + c)), cv);
+        for (int t = 0; t < n; ++t) {  // slots >= n: their values are never read
+          const __m256 w = _mm256_set1_ps(pw[t]);
+          for (int c = 0; c < CH; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + t * D + 8 * (c0 + c)), a[c]);
+        }
+        for (int c = 0; c < CH; ++c) _mm256_store_ps(acc[g] + 8 * (c0 + c), a[c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv;
+  }
+}
+
+template <int NV>
+FastTaskF32 fast_f32_for_group(int64_t group) {
+  switch (group) {
+    case 1: return fast_task_f32<1, NV>;
+    case 2: return fast_task_f32<2, NV>;
+    case 3: return fast_task_f32<3, NV>;
+    case 4: return fast_task_f32<4, NV>;
+    case 5: return fast_task_f32<5, NV>;
+    case 6: return fast_task_f32<6, NV>;
+    case 7: return fast_task_f32<7, NV>;
+    case 8: return fast_task_f32<8, NV>;
+    default: return nullptr;
+  }
+}
+
+inline FastTaskF32 fast_path(const float*, int64_t group, int64_t dim, int64_t page_size) {
+  if (page_size != 16) return nullptr;
+  switch (dim) {
+    case 32: return fast_f32_for_group<4>(group);
+    case 64: return fast_f32_for_group<8>(group);
+    case 128: return fast_f32_for_group<16>(group);
+    default: return nullptr;
+  }
+}
+#else
+inline FastTaskF32 fast_path(const float*, int64_t, int64_t, int64_t) { return nullptr; }
+#endif
 
 template <typename T>
 void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, const int64_t* pages,
