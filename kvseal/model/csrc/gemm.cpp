@@ -22,9 +22,28 @@
 //
 // Needs AVX2 + FMA (any level from avx2 up), N a multiple of 16 and K even; otherwise kvseal_gemm_supported()
 // is 0 and the caller keeps PyTorch (kvseal.model.quant).
+#include <type_traits>
+
 #include "common.h"
 
 namespace {
+// Hands out the panels of up to nbm (1 to 3) blocks of 16 columns one at a time, and calls
+// f(first block, std::integral_constant<int, blocks in this panel>) for each.
+template <typename F>
+inline void each_panel(int64_t blocks, int64_t nbm, F&& f) {
+  const int64_t panels = (blocks + nbm - 1) / nbm;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t b0 = nbm * p, nb = blocks - b0 < nbm ? blocks - b0 : nbm;
+    if (nb == 3)
+      f(b0, std::integral_constant<int, 3>{});
+    else if (nb == 2)
+      f(b0, std::integral_constant<int, 2>{});
+    else
+      f(b0, std::integral_constant<int, 1>{});
+  }
+}
+
 #if defined(__AVX512BF16__)
 template <int R, int NB>
 inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t pairs, int64_t block, uint16_t* out,
@@ -256,22 +275,10 @@ void panel_q8(const TX* x, int64_t ldx, int64_t m, const int8_t* wp, int64_t k, 
 // (one block's 2 would wait on it); more rows fill the registers with rows instead.
 template <typename TX, typename TO>
 void gemm_q8(const TX* x, int64_t ldx, int64_t m, const int8_t* packed, int64_t n, int64_t k, TO* out) {
-  const int64_t nbm = (NBM == 3 || m == 1) ? 3 : 1;
-  const int64_t blocks = n / 16, panels = (blocks + nbm - 1) / nbm;
   const float* scales = reinterpret_cast<const float*>(packed + n * k);
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t b0 = nbm * p, nb = blocks - b0 < nbm ? blocks - b0 : nbm;
-    const int8_t* wp = packed + b0 * k * 16;
-    TO* o = out + b0 * 16;
-    const float* s = scales + b0 * 16;
-    if (nb == 3)
-      panel_q8<3>(x, ldx, m, wp, k, s, o, n);
-    else if (nb == 2)
-      panel_q8<2>(x, ldx, m, wp, k, s, o, n);
-    else
-      panel_q8<1>(x, ldx, m, wp, k, s, o, n);
-  }
+  each_panel(n / 16, (NBM == 3 || m == 1) ? 3 : 1, [&](int64_t b0, auto nb) {
+    panel_q8<decltype(nb)::value>(x, ldx, m, packed + b0 * k * 16, k, scales + b0 * 16, out + b0 * 16, n);
+  });
 }
 
 // With 8 lanes, one or two rows take panels of 3 blocks for the same reason as gemm_q8 (a block's 2 sums a row
@@ -279,20 +286,10 @@ void gemm_q8(const TX* x, int64_t ldx, int64_t m, const int8_t* packed, int64_t 
 // sums are the same whatever the panel: each output still adds its products in order of k.
 template <typename TX, typename TO>
 void gemm(const TX* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k, TO* out) {
-  const int64_t nbm = (NBM == 3 || m <= 2) ? 3 : 1;
-  const int64_t blocks = n / 16, panels = (blocks + nbm - 1) / nbm, npairs = k / 2;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t b0 = nbm * p, nb = blocks - b0 < nbm ? blocks - b0 : nbm;
-    const uint16_t* wp = packed + b0 * npairs * 32;
-    TO* o = out + b0 * 16;
-    if (nb == 3)
-      panel<3>(x, ldx, m, wp, npairs, o, n);
-    else if (nb == 2)
-      panel<2>(x, ldx, m, wp, npairs, o, n);
-    else
-      panel<1>(x, ldx, m, wp, npairs, o, n);
-  }
+  const int64_t npairs = k / 2;
+  each_panel(n / 16, (NBM == 3 || m <= 2) ? 3 : 1, [&](int64_t b0, auto nb) {
+    panel<decltype(nb)::value>(x, ldx, m, packed + b0 * npairs * 32, npairs, out + b0 * 16, n);
+  });
 }
 }  // namespace wide
 #endif
@@ -326,19 +323,10 @@ void kvseal_gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* pa
 void kvseal_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k,
                       uint16_t* out) {
 #if defined(__AVX512BF16__)
-  const int64_t blocks = n / 16, panels = (blocks + 2) / 3, pairs = k / 2;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t b0 = 3 * p, nb = blocks - b0 < 3 ? blocks - b0 : 3;
-    const uint16_t* wp = packed + b0 * pairs * 32;
-    uint16_t* o = out + b0 * 16;
-    if (nb == 3)
-      panel<3>(x, ldx, m, wp, pairs, o, n);
-    else if (nb == 2)
-      panel<2>(x, ldx, m, wp, pairs, o, n);
-    else
-      panel<1>(x, ldx, m, wp, pairs, o, n);
-  }
+  const int64_t pairs = k / 2;
+  each_panel(n / 16, 3, [&](int64_t b0, auto nb) {
+    panel<decltype(nb)::value>(x, ldx, m, packed + b0 * pairs * 32, pairs, out + b0 * 16, n);
+  });
 #elif defined(__AVX2__)
   wide::gemm(x, ldx, m, packed, n, k, out);
 #else
