@@ -203,7 +203,8 @@ void fast_task_f32(const float* q, const float* kv, const int64_t* pages, int64_
         for (int t = 0; t < 8; ++t) part[t] = _mm256_setzero_ps();
         for (int c = 0; c < NV; ++c) {
           const __m256 qv = _mm256_load_ps(qs[g] + 8 * c);
-          for (int t = 0; t < 8; ++t) part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp + (8 * h + t) * D + 8 * c), part[t]);
+          for (int t = 0; t < 8; ++t)
+            part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp + (8 * h + t) * D + 8 * c), part[t]);
         }
         _mm256_store_ps(sc + 8 * h, hsum8x8(part));
       }
