@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -119,6 +120,32 @@ inline void exp_shifted(float* x, int64_t n, float shift) {
 }
 #endif
 
+
+// The kernel instance for G query heads per kv head and head dimension D on 16-slot pages (G <= 8, D of 32, 64
+// or 128), or nullptr: make(g, d) returns the instance for the constants g and d (std::integral_constant).
+template <typename Task, typename Make>
+Task for_shape(int64_t group, int64_t dim, int64_t page_size, Make make) {
+  if (page_size != 16) return nullptr;
+  const auto by_group = [&](auto d) -> Task {
+    switch (group) {
+      case 1: return make(std::integral_constant<int, 1>{}, d);
+      case 2: return make(std::integral_constant<int, 2>{}, d);
+      case 3: return make(std::integral_constant<int, 3>{}, d);
+      case 4: return make(std::integral_constant<int, 4>{}, d);
+      case 5: return make(std::integral_constant<int, 5>{}, d);
+      case 6: return make(std::integral_constant<int, 6>{}, d);
+      case 7: return make(std::integral_constant<int, 7>{}, d);
+      case 8: return make(std::integral_constant<int, 8>{}, d);
+      default: return nullptr;
+    }
+  };
+  switch (dim) {
+    case 32: return by_group(std::integral_constant<int, 32>{});
+    case 64: return by_group(std::integral_constant<int, 64>{});
+    case 128: return by_group(std::integral_constant<int, 128>{});
+    default: return nullptr;
+  }
+}
 
 // x rounded to T and back, as a PyTorch op with a T output rounds its fp32 result
 inline float rounded(float x, const float*) { return x; }

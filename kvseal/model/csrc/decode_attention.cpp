@@ -130,29 +130,10 @@ void fast_task(const uint16_t* q, const uint16_t* kv, const int64_t* pages, int6
   }
 }
 
-template <int C>
-FastTask fast_for_group(int64_t group) {
-  switch (group) {
-    case 1: return fast_task<1, C>;
-    case 2: return fast_task<2, C>;
-    case 3: return fast_task<3, C>;
-    case 4: return fast_task<4, C>;
-    case 5: return fast_task<5, C>;
-    case 6: return fast_task<6, C>;
-    case 7: return fast_task<7, C>;
-    case 8: return fast_task<8, C>;
-    default: return nullptr;
-  }
-}
-
 inline FastTask fast_path(const uint16_t*, int64_t group, int64_t dim, int64_t page_size) {
-  if (page_size != 16) return nullptr;
-  switch (dim) {
-    case 32: return fast_for_group<1>(group);
-    case 64: return fast_for_group<2>(group);
-    case 128: return fast_for_group<4>(group);
-    default: return nullptr;
-  }
+  return for_shape<FastTask>(group, dim, page_size, [](auto g, auto d) {
+    return &fast_task<decltype(g)::value, decltype(d)::value / 32>;
+  });
 }
 #else
 using FastTask = void (*)(const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
@@ -237,29 +218,10 @@ void fast_task_f32(const float* q, const float* kv, const int64_t* pages, int64_
   }
 }
 
-template <int NV>
-FastTaskF32 fast_f32_for_group(int64_t group) {
-  switch (group) {
-    case 1: return fast_task_f32<1, NV>;
-    case 2: return fast_task_f32<2, NV>;
-    case 3: return fast_task_f32<3, NV>;
-    case 4: return fast_task_f32<4, NV>;
-    case 5: return fast_task_f32<5, NV>;
-    case 6: return fast_task_f32<6, NV>;
-    case 7: return fast_task_f32<7, NV>;
-    case 8: return fast_task_f32<8, NV>;
-    default: return nullptr;
-  }
-}
-
 inline FastTaskF32 fast_path(const float*, int64_t group, int64_t dim, int64_t page_size) {
-  if (page_size != 16) return nullptr;
-  switch (dim) {
-    case 32: return fast_f32_for_group<4>(group);
-    case 64: return fast_f32_for_group<8>(group);
-    case 128: return fast_f32_for_group<16>(group);
-    default: return nullptr;
-  }
+  return for_shape<FastTaskF32>(group, dim, page_size, [](auto g, auto d) {
+    return &fast_task_f32<decltype(g)::value, decltype(d)::value / 8>;
+  });
 }
 #else
 inline FastTaskF32 fast_path(const float*, int64_t, int64_t, int64_t) { return nullptr; }

@@ -20,40 +20,12 @@
 // fp32 pools (the fp32 compute of --dtype auto on a CPU without bf16 dot products) have their own path at the
 // AVX2 and AVX-512 levels: the same tasks and online softmax with lanes as query rows (8 on AVX2, 16 on
 // AVX-512), fp32 FMAs with each key's (and each value's) element broadcast, probabilities kept in fp32.
-#include <type_traits>
-
 #include "common.h"
 
 namespace {
 using namespace kvseal;
 
 #if defined(__AVX2__)
-// The kernel instance for G query heads per kv head and head dimension D on 16-slot pages (G <= 8, D of 32, 64
-// or 128), or nullptr: make(g, d) returns the instance for the constants g and d (std::integral_constant).
-template <typename Task, typename Make>
-Task for_shape(int64_t group, int64_t dim, int64_t page_size, Make make) {
-  if (page_size != 16) return nullptr;
-  const auto by_group = [&](auto d) -> Task {
-    switch (group) {
-      case 1: return make(std::integral_constant<int, 1>{}, d);
-      case 2: return make(std::integral_constant<int, 2>{}, d);
-      case 3: return make(std::integral_constant<int, 3>{}, d);
-      case 4: return make(std::integral_constant<int, 4>{}, d);
-      case 5: return make(std::integral_constant<int, 5>{}, d);
-      case 6: return make(std::integral_constant<int, 6>{}, d);
-      case 7: return make(std::integral_constant<int, 7>{}, d);
-      case 8: return make(std::integral_constant<int, 8>{}, d);
-      default: return nullptr;
-    }
-  };
-  switch (dim) {
-    case 32: return by_group(std::integral_constant<int, 32>{});
-    case 64: return by_group(std::integral_constant<int, 64>{});
-    case 128: return by_group(std::integral_constant<int, 128>{});
-    default: return nullptr;
-  }
-}
-
 // A chunk of n query rows as tasks of (block of `block` rows, kv head), on the OpenMP threads; later blocks
 // see more keys, so they start first.
 template <typename T, typename Task>
@@ -218,7 +190,7 @@ void prefill_task(const uint16_t* q, int64_t q_row_stride, const uint16_t* kv, c
 }
 
 PrefillTask prefill_path(int64_t group, int64_t dim, int64_t page_size) {
-  return for_shape<PrefillTask>(group, dim, page_size, [](auto g, auto d) {
+  return kvseal::for_shape<PrefillTask>(group, dim, page_size, [](auto g, auto d) {
     return &prefill_task<decltype(g)::value, decltype(d)::value / 32>;
   });
 }
@@ -348,7 +320,7 @@ void prefill_task_f32(const float* q, int64_t q_row_stride, const float* kv, con
 }
 
 PrefillTaskF32 prefill_path_f32(int64_t group, int64_t dim, int64_t page_size) {
-  return for_shape<PrefillTaskF32>(group, dim, page_size, [](auto g, auto d) {
+  return kvseal::for_shape<PrefillTaskF32>(group, dim, page_size, [](auto g, auto d) {
     return &prefill_task_f32<decltype(g)::value, decltype(d)::value>;
   });
 }
