@@ -22,12 +22,20 @@ def probe(url: str, checks: str, tmp_path) -> tuple[int, dict]:
     return code, json.loads(out.read_text())
 
 
-def cluster(unsafe: list[str], context: int = 1024) -> Trio:
-    """Prefill's pool holds half a context, so a long prompt meets the placeholder fault. The timing check
-    needs a context of 2048: its cached prefixes must outlive the other prompts in the pool."""
+def cluster(unsafe: list[str], context: int = 1024, prefill_pool: int | None = None) -> Trio:
+    """Prefill's pool holds half a context, so a long prompt meets the placeholder fault."""
     env = {**FAULT, "KVSEAL_UNSAFE": "1" if unsafe else "0"}
     return Trio(["--context", str(context), "--allow-pool-below-context", *unsafe], [*KEYS, *unsafe], env,
-                prefill=["--kv-pool-tokens", str(context // 2)], decode=["--kv-pool-tokens", str(context)])
+                prefill=["--kv-pool-tokens", str(prefill_pool or context // 2)],
+                decode=["--kv-pool-tokens", str(context)])
+
+
+def timing_cluster(unsafe: list[str]) -> Trio:
+    """The timing check's cached prefixes must outlive the other prompts of their round. One round caches three
+    ~400-token prompts (A's prefix, and B's two, each under its own salt): a prefill pool of 1024 tokens evicted
+    part of A's prefix before A came back to it in some rounds (CI saw the check lose its power once in ~30
+    runs); 4096 tokens hold several rounds."""
+    return cluster(unsafe, context=2048, prefill_pool=4096)
 
 
 def test_probe_finds_nothing_on_the_hardened_default(tmp_path):
@@ -50,7 +58,7 @@ def test_probe_finds_the_2026_leak(tmp_path):
 
 @pytest.mark.alone  # a timing check: make test runs it on idle cores
 def test_the_probes_timing_check_sees_the_cache_within_a_tenant_and_never_across(tmp_path):
-    with cluster([], context=2048) as t:
+    with timing_cluster([]) as t:
         code, rep = probe(t.url, "d", tmp_path)
     assert code == 0 and rep["ok"], rep["findings"]
     timing = rep["checks"]["prefix-cache timing"]
@@ -59,7 +67,7 @@ def test_the_probes_timing_check_sees_the_cache_within_a_tenant_and_never_across
 
 @pytest.mark.alone  # a timing check: make test runs it on idle cores
 def test_the_probes_timing_check_finds_the_unsalted_cache(tmp_path):
-    with cluster(["--unsafe-no-cache-salt"], context=2048) as t:
+    with timing_cluster(["--unsafe-no-cache-salt"]) as t:
         code, rep = probe(t.url, "d", tmp_path)
     assert code == 1 and rep["checks"]["prefix-cache timing"]["signal"], rep["checks"]["prefix-cache timing"]
 
