@@ -229,12 +229,13 @@ def test_prefill_kernel_is_as_accurate_as_bf16_sdpa(kernel):
     assert err_kernel <= 1.15 * err_rounded and err_kernel <= err_sdpa
 
 
-@pytest.mark.parametrize("dtype,weights", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "bf16"), ("fp32", "int8")])
+@pytest.mark.parametrize("dtype,weights", [("bf16", "bf16"), ("bf16", "int8"), ("bf16", "int4"), ("fp32", "bf16"),
+                                           ("fp32", "int8"), ("fp32", "int4")])
 def test_the_native_layer_loop_equals_the_python_one(bf16_model, fp32_model, dtype, weights):
     """``NativeLayers`` (the layer loop in one native call) runs the same kernels in the same order as
     ``_layers_fused``: a bf16 step mixing decode rows of ragged lengths with two prefill chunks (one from
     position 0, one over earlier pages) gives bit-identical logits and writes bit-identical K/V into the pool.
-    With ``--weights int8`` a step of at most 8 rows runs the int8 kernel in both loops. fp32 (``--dtype auto``
+    With ``--weights int8`` or ``int4`` a step of at most 8 rows runs the int8 or int4 kernel in both loops. fp32 (``--dtype auto``
     without bf16 dot products; bf16 or int8 weights read by the GEMMs) takes its prefill chunks through the fp32
     prefill kernel (AVX2 and AVX-512); a dtype at a level without a prefill kernel takes decode rows alone."""
     model = (bf16_model if dtype == "bf16" else fp32_model).model
@@ -245,12 +246,12 @@ def test_the_native_layer_loop_equals_the_python_one(bf16_model, fp32_model, dty
     before = model.weights_mode
     model.use_weights(weights)
     try:
-        _native_loop_equals_python(model, chunks, q8=weights == "int8")
+        _native_loop_equals_python(model, chunks, {"bf16": "packed", "int8": "q8", "int4": "q4"}[weights])
     finally:
         model.use_weights(before)
 
 
-def _native_loop_equals_python(model, chunks: list[tuple[int, int]], q8: bool) -> None:
+def _native_loop_equals_python(model, chunks: list[tuple[int, int]], field: str) -> None:
     from kvseal.model.attention import DecodeRows, Span
     from kvseal.model.llama import ForwardBatch
     if model.native_table is None:
@@ -276,7 +277,7 @@ def _native_loop_equals_python(model, chunks: list[tuple[int, int]], q8: bool) -
         ends.append(start - 1)
     batch = ForwardBatch(torch.randint(0, cfg.vocab_size, (start,), generator=gen), torch.tensor(pos),
                          torch.tensor(slots), torch.tensor(ends), DecodeRows(dec_pages, torch.tensor(lens)), spans)
-    assert model._goes_native(kv, batch) and model._table_for(batch)[1] == q8
+    assert model._goes_native(kv, batch) and model._table_for(batch)[1] == field
     kv_python = kv.clone()
     got = model.forward(kv, batch)
     native = model.native

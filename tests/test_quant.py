@@ -10,12 +10,18 @@ from kvseal.model.kernels import Gemm, library_path
 from kvseal.model.quant import Linear, dequantize_int4, int4_codes, prepack
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_packed_kernel_equals_its_dequantized_weight(mode):
+@pytest.mark.parametrize("mode,kernel", [("int8", "native"), ("int8", "torch"), ("int4", "native"), ("int4", "torch")])
+def test_packed_kernel_equals_its_dequantized_weight(mode, kernel, monkeypatch):
+    """Each packed kernel, the project's (where the GEMM is built) and PyTorch's (where not)."""
+    from kvseal.model import quant
+    if kernel == "torch":
+        monkeypatch.setattr(quant, "load_gemm", lambda: None)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(96, 128, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, generator=gen).to(torch.bfloat16)
     lin = Linear(w, b, mode, small_rows=4)
+    assert (lin.q8 if mode == "int8" else lin.q4) is None if kernel == "torch" else quant.load_gemm() is None or (
+        lin.q8 if mode == "int8" else lin.q4) is not None
     for rows in (1, 4):
         x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
         ref = F.linear(x.float(), lin.dequantized().float(), b.float())
@@ -140,6 +146,41 @@ def test_int8_kernel_computes_with_its_int8_weights_whatever_shares_the_step(lev
             for a, xs in ((full, x), (fullb, xb)):
                 assert torch.equal(gemm.q8(xs[:rows].contiguous(), packed, n), a[:rows])
                 assert torch.equal(gemm.q8(xs[rows:2 * rows], packed, n), a[rows:2 * rows])
+
+
+def test_int4_kernel_computes_with_its_int4_weights_whatever_shares_the_step(level):
+    """The native int4 kernel (``--weights int4`` on small steps, GGUF Q4_1's grid): the packed layout gives back
+    exactly the codes, scales and mins; bf16 and fp32 activations against fp32 F.linear on the dequantized
+    weight (scale and min applied per group after the sum: fp32 rounding apart, and one bf16 rounding of the
+    output); a row's result the same whatever rows share its step (one row runs wider panels than several)."""
+    from kvseal.model.quant import q4_grid
+    gen = torch.Generator().manual_seed(9)
+    gemm = Gemm(library_path(level))
+    for n, k in ((960, 576), (576, 1536), (48 * 3 + 16, 64), (32, 32)):
+        w = (0.05 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
+        if not gemm.q4_fits(w):
+            pytest.skip(f"no native GEMM at the {level} level")
+        codes, scales, mins = q4_grid(w)
+        packed = gemm.pack_q4(codes, scales, mins)
+        c2, s2, m2 = Gemm.unpack_q4(packed, n, k)
+        assert torch.equal(c2, codes) and torch.equal(s2, scales) and torch.equal(m2, mins)
+        deq = (codes.view(n, k // 32, 32).float() * scales.float()[..., None] + mins.float()[..., None]).view(n, k)
+        assert (deq - w.float()).abs().max() <= scales.float().max() * 0.51 + mins.float().abs().max() * 2**-8
+        x = torch.randn(13, k, generator=gen)
+        # the group's sums of x * code and of x, each a few fp32 ulps of its sum of magnitudes, times scale or min
+        bound = (x.abs() @ (15 * scales.float().repeat_interleave(32, 1) + mins.float().abs().repeat_interleave(32, 1)).T
+                 ) * 2.0**-19
+        full = gemm.q4(x, packed, n)
+        assert full.dtype == torch.float32 and ((full - x @ deq.T).abs() <= bound).all()
+        xb = x.to(torch.bfloat16)
+        fullb = gemm.q4(xb, packed, n)
+        ref = xb.float() @ deq.T
+        assert fullb.dtype == torch.bfloat16
+        assert ((fullb.float() - ref).abs() <= ref.abs() * 2.0**-8 + bound).all()
+        for rows in (1, 2, 3, 8, 9):
+            for a, xs in ((full, x), (fullb, xb)):
+                assert torch.equal(gemm.q4(xs[:rows].contiguous(), packed, n), a[:rows])
+                assert torch.equal(gemm.q4(xs[rows:2 * rows], packed, n), a[rows:2 * rows])
 
 
 def test_an_fp32_model_keeps_its_weights_exact_or_reads_them_as_bf16(monkeypatch):

@@ -173,6 +173,13 @@ class Gemm:
         self._q8 = {torch.bfloat16: lib.kvseal_gemm_q8_bf16, torch.float32: lib.kvseal_gemm_q8_f32}
         for fn in self._q8.values():
             fn.argtypes, fn.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
+        self._q4_supported = lib.kvseal_gemm_q4_supported
+        self._q4_supported.argtypes, self._q4_supported.restype = [_I64, _I64], ctypes.c_int
+        self._pack_q4 = lib.kvseal_gemm_pack_q4
+        self._pack_q4.argtypes, self._pack_q4.restype = [_PTR, _PTR, _PTR, _I64, _I64, _PTR], None
+        self._q4 = {torch.bfloat16: lib.kvseal_gemm_q4_bf16, torch.float32: lib.kvseal_gemm_q4_f32}
+        for fn in self._q4.values():
+            fn.argtypes, fn.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR], None
 
     def fits(self, w: torch.Tensor) -> bool:
         """Whether this library takes a weight of ``w``'s shape (any float dtype: ``pack`` stores it as bf16)."""
@@ -221,6 +228,44 @@ class Gemm:
         self._q8[x.dtype](x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, out.data_ptr())
         return out
 
+    def q4_fits(self, w: torch.Tensor) -> bool:
+        """Whether the int4 kernel takes a weight of ``w``'s shape (N a multiple of 16, K of 32)."""
+        return w.dim() == 2 and bool(self._q4_supported(*w.shape))
+
+    def pack_q4(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+        """The int4 kernel's layout of ``codes [N, K]`` (0..15) with a bf16 scale and min per group of 32 along K
+        (``[N, K / 32]`` each; the weight is ``code * scale + min``): a flat uint8 tensor, 5/8 of a byte a
+        weight (``unpack_q4`` reverses it)."""
+        n, k = codes.shape
+        assert bool(self._q4_supported(n, k)) and scales.shape == mins.shape == (n, k // 32)
+        codes = codes.to(torch.uint8).contiguous()
+        scales, mins = scales.to(torch.bfloat16).contiguous(), mins.to(torch.bfloat16).contiguous()
+        packed = torch.empty(n * k // 2 + n * k // 8, dtype=torch.uint8)
+        assert packed.data_ptr() % 64 == 0
+        self._pack_q4(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    @staticmethod
+    def unpack_q4(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes [N, K] uint8, scales [N, K / 32] bf16, mins)`` back from ``pack_q4``'s layout."""
+        groups = packed.view(n // 16, k // 32, 320)
+        b = groups[..., :256].reshape(n // 16, k // 32, 32, 8)
+        codes = torch.cat([b & 15, b >> 4], -1)  # [blocks, groups, 32 k, 16 columns]
+        codes = codes.permute(0, 3, 1, 2).reshape(n, k)
+        sz = groups[..., 256:].contiguous().view(torch.bfloat16).view(n // 16, k // 32, 2, 16)
+        scales, mins = (sz[:, :, i].permute(0, 2, 1).reshape(n, k // 32) for i in (0, 1))
+        return codes, scales, mins
+
+    def q4(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """``x @ W.T`` for the int4 weights ``packed`` by ``pack_q4``: per group of 32, fp32 sums of x times the codes
+        in order, then scale times that plus min times the group's sum of x; bf16 ``x`` gives bf16 (rounded once),
+        fp32 gives fp32. A row's result does not depend on the other rows."""
+        m, k = x.shape
+        assert x.dtype in self._q4 and x.stride(1) == 1 and packed.numel() == n * k // 2 + n * k // 8
+        out = torch.empty((m, n), dtype=x.dtype)
+        self._q4[x.dtype](x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, out.data_ptr())
+        return out
+
     def silu_fits(self, w: torch.Tensor) -> bool:
         """Can ``silu`` take this ``[gate; up]`` weight ``[2 inter, K]``."""
         return self.fits(w) and bool(self._silu_supported(w.shape[0] // 2, w.shape[1]))
@@ -249,19 +294,22 @@ class NativeLayers:
                            _PTR, *[_PTR] * 6, _PTR]
             fn.restype = ctypes.c_int
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, cfg: object, scale: float, cos: torch.Tensor,
+    QUANT = {"packed": 0, "q8": 1, "q4": 2}  # the layer loop's code for each kind of weight
+
+    def __call__(self, x: torch.Tensor, table: torch.Tensor, cfg: object, scale: float, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                  dec_pages: torch.Tensor | None, dec_lens: torch.Tensor | None, spans: torch.Tensor,
-                 times: ctypes.Array, q8: bool = False) -> None:
-        """Runs the layers over ``x [n, hidden]`` in place (the residual stream after the last layer). ``q8``: the
-        table points to int8 weights (``Gemm.pack_q8``)."""
+                 times: ctypes.Array, weights: str = "packed") -> None:
+        """Runs the layers over ``x [n, hidden]`` in place (the residual stream after the last layer). ``weights``:
+        what the table points to: ``packed`` bf16 (``Gemm.pack``), ``q8`` int8 (``Gemm.pack_q8``) or ``q4`` int4
+        weights (``Gemm.pack_q4``)."""
         n, hidden = x.shape
         heads, kvh, dim, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         bufs = [torch.empty((n, w), dtype=x.dtype)
                 for w in (hidden, (heads + 2 * kvh) * dim, heads * dim, hidden, 2 * inter, inter)]
         n_dec = 0 if dec_pages is None else dec_pages.shape[0]
         ok = self._fns[x.dtype](
-            x.data_ptr(), n, weights.data_ptr(), int(q8), weights.shape[0], hidden, heads, kvh, dim, inter,
+            x.data_ptr(), n, table.data_ptr(), self.QUANT[weights], table.shape[0], hidden, heads, kvh, dim, inter,
             cfg.rms_eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             kv.data_ptr(), kv.shape[4], n_dec, None if n_dec == 0 else dec_pages.data_ptr(),
             None if n_dec == 0 else dec_lens.data_ptr(), 0 if n_dec == 0 else dec_pages.shape[1],

@@ -29,6 +29,8 @@ from kvseal.model.attention import DecodeRows, LayerShape, PagedAttention, Span,
 from kvseal.model.kernels import load_decode_kernel, load_fused_ops, load_native_layers
 from kvseal.model.quant import Linear
 
+QUANT_FIELD = {"int8": "q8", "int4": "q4"}  # --weights -> the Linear field of its small steps' packed weights
+
 
 @dataclass
 class Layer:
@@ -194,35 +196,37 @@ class LlamaModel:
                 if release and linear.release():
                     setattr(x, field, linear.weight)
         self.native_table = self._native_table()
-        self.native_table_q8 = self._native_table(q8=True) if mode == "int8" else None
+        # the int8/int4 weights of the small steps (QUANT: the layer loop's code for their kernel)
+        self.native_table_small = self._native_table(QUANT_FIELD[mode]) if mode in ("int8", "int4") else None
         # the (tied) embedding is not a 4-bit tensor in GGUF files: int4 there costs real accuracy, int8 not
         self.head = Linear(self.w.lm_head, None, "int8" if mode == "int4" else mode, small_rows,
                            packed=None if given is None else given["head.packed"])
         if release and not self.cfg.tie_embeddings and self.head.release():
             self.w.lm_head = self.head.weight
 
-    def _native_table(self, q8: bool = False) -> torch.Tensor | None:
+    def _native_table(self, field: str = "packed") -> torch.Tensor | None:
         """Per layer, pointers to its norms and packed weights for ``NativeLayers`` (None: some linear layer
-        or norm is not in the native GEMM's form). ``q8``: the int8 weights of ``--weights int8``."""
+        or norm is not in the native GEMM's form). ``field``: the ``Linear`` attribute holding them (``packed``
+        for bf16, ``q8`` and ``q4`` for the int8 and int4 weights of small steps)."""
         if self.native is None or self.fused is None or self.decode_kernel is None:
             return None
         rows = []
         for layer, lin in zip(self.w.layers, self.lin):
             linears = (lin.qkv, lin.o, lin.gate_up, lin.down)
             norms = (layer.attn_norm, layer.mlp_norm)
-            if any((x.q8 if q8 else x.packed) is None or x.gemm is None for x in linears) or any(
+            if any(getattr(x, field) is None or x.gemm is None for x in linears) or any(
                     not t.is_contiguous() or t.dtype != self.dtype for t in norms):
                 return None
-            qkv, o, gate_up, down = ((x.q8 if q8 else x.packed).data_ptr() for x in linears)
+            qkv, o, gate_up, down = (getattr(x, field).data_ptr() for x in linears)
             rows.append([layer.attn_norm.data_ptr(), qkv, o, layer.mlp_norm.data_ptr(), gate_up, down])
         return torch.tensor(rows, dtype=torch.int64)
 
-    def _table_for(self, b: ForwardBatch) -> tuple[torch.Tensor | None, bool]:
-        """The native table a step of ``b``'s rows runs with, and whether it holds int8 weights: int8/int4
-        modes take their own kernels for steps of at most ``small_rows`` rows (int8's is native too)."""
+    def _table_for(self, b: ForwardBatch) -> tuple[torch.Tensor | None, str]:
+        """The native table a step of ``b``'s rows runs with, and the ``Linear`` field its weights are from:
+        int8/int4 modes take their own kernels for steps of at most ``small_rows`` rows."""
         if self.weights_mode == "bf16" or b.input_ids.shape[0] > self.small_rows:
-            return self.native_table, False
-        return self.native_table_q8, True
+            return self.native_table, "packed"
+        return self.native_table_small, QUANT_FIELD.get(self.weights_mode, "packed")
 
     def _goes_native(self, kv: torch.Tensor, b: ForwardBatch) -> bool:
         """Can this batch run the native layer loop: every op it needs has its kernel, and so do the linear
@@ -238,10 +242,10 @@ class LlamaModel:
         assert all(s.pages.dtype == torch.int64 and s.pages.is_contiguous() for s in b.spans)
         times = (ctypes.c_double * 2)()
         d = b.decode
-        table, q8 = self._table_for(b)
+        table, field = self._table_for(b)
         self.native(x, table, self.cfg, self.cfg.head_dim**-0.5, self.cos, self.sin,
                     b.positions.contiguous(), b.write_slots.contiguous(), kv, None if d is None else d.pages.contiguous(),
-                    None if d is None else d.lens.contiguous(), spans, times, q8=q8)
+                    None if d is None else d.lens.contiguous(), spans, times, weights=field)
         return x, times[0], times[1]
 
     @torch.inference_mode()

@@ -16,8 +16,10 @@ the reference. ``int8`` (per-output-channel symmetric scales) and ``int4`` (grou
 asymmetric: scale and zero per group, the same grid as GGUF's Q4_1 blocks) keep a packed copy beside the
 bf16 weight for the steps of at most ``small_rows`` rows: int8 through the project's kernel where the GEMM is
 built (``Gemm.q8``: each weight widened to fp32 in registers, fp32 sums, for bf16 or fp32 activations; it
-keeps no other int8 copy), else PyTorch's ``_weight_int8pack_mm``; int4 through PyTorch's
-``_weight_int4pack_mm_for_cpu``. A decode step of a few streams reads every weight once for very little
+keeps no other int8 copy), else PyTorch's ``_weight_int8pack_mm``; int4 through the project's kernel too where
+it is built (``Gemm.q4``: GGUF Q4_1's grid, a bf16 scale and min per group, codes widened to fp32 in registers;
+PyTorch's ``_weight_int4pack_mm_for_cpu`` ran fp32 activations at 1 Gweight/s on a Zen 4, against the native
+kernel's 20), else PyTorch's. A decode step of a few streams reads every weight once for very little
 arithmetic, so it is bound by the bytes read, and 1 or ½ byte per weight beats 2. Larger steps are
 compute-bound, where the packed kernels are no faster, and use bf16.
 
@@ -56,6 +58,7 @@ class Linear:
             self.mode = "bf16"  # odd shapes keep the bf16 path
         gemm = load_gemm() if on_cpu else None  # a GPU's weights: F.linear (cuBLAS)
         self.q8: torch.Tensor | None = None  # int8 weights in the native kernel's layout, scales included
+        self.q4: torch.Tensor | None = None  # int4 codes, scales and mins in the native kernel's layout
         if self.mode == "int8":
             q, scales = quantize_int8(weight)
             if gemm is not None and gemm.fits(weight):
@@ -64,7 +67,11 @@ class Linear:
             else:
                 self.q, self.scales = q, scales
         elif self.mode == "int4":
-            self.q, self.scales = quantize_int4(weight)
+            if gemm is not None and gemm.q4_fits(weight):
+                self.q4, self.q4_gemm = gemm.pack_q4(*q4_grid(weight)), gemm
+                self.q = self.scales = None
+            else:
+                self.q, self.scales = quantize_int4(weight)
         if packed is not None:
             if mode != "bf16" or bias is not None or gemm is None or not gemm.fits(weight):
                 raise ValueError("a packed weight needs the bf16 GEMM at this kernel level")
@@ -99,6 +106,8 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         if self.q8 is not None:
             y = self.q8_gemm.q8(x, self.q8, self.weight.shape[0])
+        elif self.q4 is not None:
+            y = self.q4_gemm.q4(x, self.q4, self.weight.shape[0])
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         else:
@@ -115,6 +124,11 @@ class Linear:
         if self.mode == "int8":
             q, scales = self.int8()
             return (q.float() * scales.float()[:, None]).to(self.weight.dtype)
+        if self.q4 is not None:
+            codes, scales, mins = Gemm.unpack_q4(self.q4, *self.weight.shape)
+            n, k = codes.shape
+            w = codes.view(n, k // INT4_GROUP, INT4_GROUP).float() * scales.float()[..., None] + mins.float()[..., None]
+            return w.view(n, k).to(self.weight.dtype)
         if self.mode == "int4":
             return dequantize_int4(*int4_codes(self.weight)).to(self.weight.dtype)
         return self._mode_weight()
@@ -144,6 +158,18 @@ def int4_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
     sz = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(w.dtype)
     return codes, sz
+
+
+def q4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native int4 kernel's grid, GGUF Q4_1's: codes ``[N, K]`` in 0..15 and a bf16 scale and min per group
+    of 32 along K (``[N, K / 32]`` each), ``w ≈ code * scale + min``. The scale and min are rounded to bf16
+    before the codes are chosen, so the codes fit the grid the kernel computes with."""
+    n, k = w.shape
+    g = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    lo = g.amin(-1).to(torch.bfloat16)
+    scale = ((g.amax(-1) - lo.float()) / 15).clamp(min=1e-8).to(torch.bfloat16)
+    codes = ((g - lo.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return codes.view(n, k), scale, lo
 
 
 def dequantize_int4(codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@
 // Needs AVX2 + FMA (any level from avx2 up), N a multiple of 16 and K even; otherwise kvseal_gemm_supported()
 // is 0 and the caller keeps PyTorch (kvseal.model.quant).
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 
@@ -291,6 +292,106 @@ void gemm(const TX* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n
     panel<decltype(nb)::value>(x, ldx, m, packed + b0 * npairs * 32, npairs, out + b0 * 16, n);
   });
 }
+
+// int4 weights (weight-only, groups of 32 along k, GGUF Q4_1's grid: w = code * scale + min, code 0..15, scale
+// and min bf16 per group and column). Block b of 16 columns holds, for each group, 32 rows of 8 bytes (byte j:
+// column j's code in its low nibble, column j + 8's in its high one), then the 16 scales and the 16 mins:
+// [n / 16][k / 32][256 + 64] bytes. A column's sum over a group adds x * code in order of k in fp32 (codes are
+// exact in fp32), then adds scale * that + min * (the group's sum of x), group after group: the same for any
+// number of rows.
+#if defined(__AVX512F__)
+inline void widen_q4(const uint8_t* p, vf* w) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(15);
+  const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
+}
+inline void widen_bf16(const uint16_t* p, vf* w) { w[0] = kvseal::widen16(p); }
+#else
+inline void widen_q4(const uint8_t* p, vf* w) {
+  const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15)));
+  w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
+}
+inline void widen_bf16(const uint16_t* p, vf* w) {
+  for (int v = 0; v < 2; ++v)
+    w[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * v))), 16));
+}
+#endif
+constexpr int64_t Q4_GROUP = 32, Q4_GROUP_BYTES = Q4_GROUP * 8 + 64;
+
+// xsum [m][groups]: each row's sum of x over each group, made once per call (in order, so a row's sums do not
+// depend on the other rows)
+template <int R, int NB, typename TX, typename TO>
+inline void micro_q4(const TX* x, int64_t ldx, const float* xsum, const uint8_t* wp, int64_t groups, TO* out,
+                     int64_t ldo) {
+  constexpr int C = NB * VB;
+  const int64_t block = groups * Q4_GROUP_BYTES;
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    vf part[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) part[r][c] = zero();
+    const uint8_t* wg = wp + g * Q4_GROUP_BYTES;
+    for (int64_t i = 0; i < Q4_GROUP; ++i) {
+      vf w[C];
+      for (int j = 0; j < NB; ++j) widen_q4(wg + j * block + i * 8, w + j * VB);
+      for (int r = 0; r < R; ++r) {
+        const vf a = bcast(xval(x + r * ldx, g * Q4_GROUP + i));
+        for (int c = 0; c < C; ++c) part[r][c] = fma(a, w[c], part[r][c]);
+      }
+    }
+    vf scale[C], mins[C];
+    for (int j = 0; j < NB; ++j) {
+      const uint16_t* sz = reinterpret_cast<const uint16_t*>(wg + j * block + Q4_GROUP * 8);
+      widen_bf16(sz, scale + j * VB);
+      widen_bf16(sz + 16, mins + j * VB);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf s = bcast(xsum[r * groups + g]);
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(mins[c], s, fma(part[r][c], scale[c], acc[r][c]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(out + r * ldo + VW * c, acc[r][c]);
+}
+
+template <int R, int NB, typename TX, typename TO>
+inline void rows_tail_q4(const TX* x, int64_t ldx, const float* xsum, int64_t left, const uint8_t* wp,
+                         int64_t groups, TO* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (left == R) return micro_q4<R, NB>(x, ldx, xsum, wp, groups, out, ldo);
+    rows_tail_q4<R - 1, NB>(x, ldx, xsum, left, wp, groups, out, ldo);
+  }
+}
+
+template <int NB, typename TX, typename TO>
+void panel_q4(const TX* x, int64_t ldx, const float* xsum, int64_t m, const uint8_t* wp, int64_t groups, TO* out,
+              int64_t ldo) {
+  int64_t i = 0;
+  for (; i + RM <= m; i += RM)
+    micro_q4<RM, NB>(x + i * ldx, ldx, xsum + i * groups, wp, groups, out + i * ldo, ldo);
+  rows_tail_q4<RM - 1, NB>(x + i * ldx, ldx, xsum + i * groups, m - i, wp, groups, out + i * ldo, ldo);
+}
+
+template <typename TX, typename TO>
+void gemm_q4(const TX* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n, int64_t k, TO* out) {
+  const int64_t groups = k / Q4_GROUP;
+  std::vector<float> sums(static_cast<size_t>(m * groups));
+  float* xsum = sums.data();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < Q4_GROUP; ++i) s += xval(x + r * ldx, g * Q4_GROUP + i);
+      xsum[r * groups + g] = s;
+    }
+  each_panel(n / 16, (NBM == 3 || m == 1) ? 3 : 1, [&](int64_t b0, auto nb) {
+    panel_q4<decltype(nb)::value>(x, ldx, xsum, m, packed + b0 * groups * Q4_GROUP_BYTES, groups, out + b0 * 16,
+                                  n);
+  });
+}
 }  // namespace wide
 #endif
 
@@ -402,6 +503,58 @@ void kvseal_gemm_silu_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint
   }
 #else
   (void)x, (void)ldx, (void)m, (void)packed, (void)inter, (void)k, (void)out;
+#endif
+}
+
+// int4 weights: the shapes the int4 kernel takes (n a multiple of 16, k of 32)
+int kvseal_gemm_q4_supported(int64_t n, int64_t k) {
+#if defined(__AVX2__)
+  return n > 0 && k > 0 && n % 16 == 0 && k % 32 == 0;
+#else
+  (void)n, (void)k;
+  return 0;
+#endif
+}
+
+// codes [n, k] uint8 (0..15), scales and mins [n, k / 32] bf16 -> packed [n / 16][k / 32][256 + 64] bytes (the
+// layout of wide::micro_q4; the caller allocates n * k / 2 + n * k / 8 bytes, 64-byte aligned)
+void kvseal_gemm_pack_q4(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t n, int64_t k,
+                         uint8_t* packed) {
+  const int64_t groups = k / 32, group_bytes = 32 * 8 + 64;
+#pragma omp parallel for
+  for (int64_t b = 0; b < n / 16; ++b)
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* dst = packed + (b * groups + g) * group_bytes;
+      for (int64_t i = 0; i < 32; ++i)
+        for (int c = 0; c < 8; ++c) {
+          const int64_t col = b * 16 + c, at = g * 32 + i;
+          dst[i * 8 + c] = static_cast<uint8_t>((codes[col * k + at] & 15) | (codes[(col + 8) * k + at] & 15) << 4);
+        }
+      uint16_t* sz = reinterpret_cast<uint16_t*>(dst + 32 * 8);
+      for (int c = 0; c < 16; ++c) {
+        sz[c] = scales[(b * 16 + c) * groups + g];
+        sz[16 + c] = mins[(b * 16 + c) * groups + g];
+      }
+    }
+}
+
+// out [m, n] = x [m, k] @ W.T, W the int4 weights packed by kvseal_gemm_pack_q4; bf16 x gives a bf16 out
+// (rounded once), fp32 x fp32
+void kvseal_gemm_q4_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n, int64_t k,
+                         uint16_t* out) {
+#if defined(__AVX2__)
+  wide::gemm_q4(x, ldx, m, packed, n, k, out);
+#else
+  (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
+#endif
+}
+
+void kvseal_gemm_q4_f32(const float* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n, int64_t k,
+                        float* out) {
+#if defined(__AVX2__)
+  wide::gemm_q4(x, ldx, m, packed, n, k, out);
+#else
+  (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)out;
 #endif
 }
 

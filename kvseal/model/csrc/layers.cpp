@@ -33,6 +33,10 @@ void kvseal_gemm_q8_bf16(const uint16_t* x, int64_t ldx, int64_t m, const int8_t
                          uint16_t* out);
 void kvseal_gemm_q8_f32(const float* x, int64_t ldx, int64_t m, const int8_t* packed, int64_t n, int64_t k,
                         float* out);
+void kvseal_gemm_q4_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n, int64_t k,
+                         uint16_t* out);
+void kvseal_gemm_q4_f32(const float* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n, int64_t k,
+                        float* out);
 int kvseal_gemm_silu_supported(int64_t inter, int64_t k);
 void kvseal_gemm_silu_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t inter,
                            int64_t k, uint16_t* out);
@@ -71,15 +75,20 @@ inline void rope(T* qkv, int64_t n, int64_t stride, int64_t heads, int64_t kvh, 
 }
 inline void silu_mul(const uint16_t* gu, uint16_t* out, int64_t n, int64_t inter) { kvseal_silu_mul_bf16(gu, out, n, inter); }
 inline void silu_mul(const float* gu, float* out, int64_t n, int64_t inter) { kvseal_silu_mul_f32(gu, out, n, inter); }
-inline void gemm(const uint16_t* x, int64_t m, int64_t w, int64_t n, int64_t k, uint16_t* out, bool q8) {
-  if (q8)
+// quant: 0 bf16 weights (kvseal_gemm_pack_bf16), 1 int8 (kvseal_gemm_pack_q8), 2 int4 (kvseal_gemm_pack_q4)
+inline void gemm(const uint16_t* x, int64_t m, int64_t w, int64_t n, int64_t k, uint16_t* out, int64_t quant) {
+  if (quant == 1)
     kvseal_gemm_q8_bf16(x, k, m, reinterpret_cast<const int8_t*>(w), n, k, out);
+  else if (quant == 2)
+    kvseal_gemm_q4_bf16(x, k, m, reinterpret_cast<const uint8_t*>(w), n, k, out);
   else
     kvseal_gemm_bf16(x, k, m, reinterpret_cast<const uint16_t*>(w), n, k, out);
 }
-inline void gemm(const float* x, int64_t m, int64_t w, int64_t n, int64_t k, float* out, bool q8) {
-  if (q8)
+inline void gemm(const float* x, int64_t m, int64_t w, int64_t n, int64_t k, float* out, int64_t quant) {
+  if (quant == 1)
     kvseal_gemm_q8_f32(x, k, m, reinterpret_cast<const int8_t*>(w), n, k, out);
+  else if (quant == 2)
+    kvseal_gemm_q4_f32(x, k, m, reinterpret_cast<const uint8_t*>(w), n, k, out);
   else
     kvseal_gemm_f32(x, k, m, reinterpret_cast<const uint16_t*>(w), n, k, out);
 }
@@ -107,7 +116,7 @@ inline int prefill(const T* q, int64_t stride, const T* kv, T* out, const int64_
 }
 
 template <typename T>
-int layers_loop(T* x, int64_t n, const int64_t* weights, int64_t q8, int64_t layers, int64_t hidden, int64_t heads,
+int layers_loop(T* x, int64_t n, const int64_t* weights, int64_t quant, int64_t layers, int64_t hidden, int64_t heads,
                 int64_t kv_heads, int64_t dim, int64_t inter, float eps, float scale, const T* cos, const T* sin,
                 const int64_t* positions, const int64_t* slots, T* kv, int64_t page_size, int64_t n_dec,
                 const int64_t* dec_pages, const int64_t* dec_lens, int64_t dec_width, int64_t n_spans,
@@ -117,14 +126,14 @@ int layers_loop(T* x, int64_t n, const int64_t* weights, int64_t q8, int64_t lay
   double t_lin = 0, t_att = 0;
   auto secs = [](clock::time_point a0, clock::time_point a1) { return std::chrono::duration<double>(a1 - a0).count(); };
   const T* delta = nullptr;  // the last layer's output, not yet added to x
-  const bool fuse_silu = sizeof(T) == 2 && !q8 && kvseal_gemm_silu_supported(inter, hidden) != 0;
+  const bool fuse_silu = sizeof(T) == 2 && !quant && kvseal_gemm_silu_supported(inter, hidden) != 0;
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t* w = weights + 6 * i;
     const T* attn_norm = reinterpret_cast<const T*>(w[0]);
     const T* mlp_norm = reinterpret_cast<const T*>(w[3]);
     norm(x, delta, attn_norm, h, n, hidden, eps);
     auto t0 = clock::now();
-    gemm(h, n, w[1], qkv_w, hidden, qkv, q8);
+    gemm(h, n, w[1], qkv_w, hidden, qkv, quant);
     auto t1 = clock::now();
     rope(qkv, n, qkv_w, heads, kv_heads, dim, cos, sin, positions, kv, slots, layers, i, page_size);
     auto t2 = clock::now();
@@ -138,7 +147,7 @@ int layers_loop(T* x, int64_t n, const int64_t* weights, int64_t q8, int64_t lay
         return 0;
     }
     auto t3 = clock::now();
-    gemm(a, n, w[2], hidden, q_w, o, q8);
+    gemm(a, n, w[2], hidden, q_w, o, quant);
     auto t4 = clock::now();
     norm(x, o, mlp_norm, h, n, hidden, eps);
     auto t5 = clock::now();
@@ -146,10 +155,10 @@ int layers_loop(T* x, int64_t n, const int64_t* weights, int64_t q8, int64_t lay
       if constexpr (sizeof(T) == 2)
         kvseal_gemm_silu_bf16(h, hidden, n, reinterpret_cast<const uint16_t*>(w[4]), inter, hidden, act);
     } else {
-      gemm(h, n, w[4], 2 * inter, hidden, gu, q8);
+      gemm(h, n, w[4], 2 * inter, hidden, gu, quant);
       silu_mul(gu, act, n, inter);
     }
-    gemm(act, n, w[5], hidden, inter, o, q8);
+    gemm(act, n, w[5], hidden, inter, o, quant);
     t_lin += secs(t0, t1) + secs(t3, t4) + secs(t5, clock::now());
     t_att += secs(t2, t3);
     delta = o;
@@ -172,28 +181,28 @@ extern "C" {
 // chunks. Scratch: h, o [n, hidden], qkv [n, (heads + 2 kv_heads) dim], a [n, heads dim], gu [n, 2 inter],
 // act [n, inter]. times[0] += seconds in the GEMMs, times[1] += seconds in attention. Returns 0 if a prefill
 // chunk's shape is not taken by the kernel (the caller checks first; nothing is then trustworthy).
-// q8: the four weights are int8, packed by kvseal_gemm_pack_q8 (--weights int8 on a small step), and SiLU * up
-// runs after the gate/up GEMM instead of in its epilogue.
-int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t q8, int64_t layers, int64_t hidden,
+// quant: the four weights are bf16 (0), int8 (1, packed by kvseal_gemm_pack_q8) or int4 (2, kvseal_gemm_pack_q4):
+// --weights int8/int4 on a small step, where SiLU * up runs after the gate/up GEMM instead of in its epilogue.
+int kvseal_layers_bf16(uint16_t* x, int64_t n, const int64_t* weights, int64_t quant, int64_t layers, int64_t hidden,
                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps, float scale,
                        const uint16_t* cos, const uint16_t* sin, const int64_t* positions, const int64_t* slots,
                        uint16_t* kv, int64_t page_size, int64_t n_dec, const int64_t* dec_pages,
                        const int64_t* dec_lens, int64_t dec_width, int64_t n_spans, const int64_t* spans,
                        uint16_t* h, uint16_t* qkv, uint16_t* a, uint16_t* o, uint16_t* gu, uint16_t* act,
                        double* times) {
-  return layers_loop(x, n, weights, q8, layers, hidden, heads, kv_heads, dim, inter, eps, scale, cos, sin, positions,
+  return layers_loop(x, n, weights, quant, layers, hidden, heads, kv_heads, dim, inter, eps, scale, cos, sin, positions,
                      slots, kv, page_size, n_dec, dec_pages, dec_lens, dec_width, n_spans, spans, h, qkv, a, o, gu,
                      act, times);
 }
 
-// the same in fp32 (weights: bf16 packed by kvseal_gemm_pack_bf16, or int8 with q8); decode rows only
-int kvseal_layers_f32(float* x, int64_t n, const int64_t* weights, int64_t q8, int64_t layers, int64_t hidden,
+// the same in fp32 (weights: bf16 packed by kvseal_gemm_pack_bf16, or int8/int4 as above); decode rows only
+int kvseal_layers_f32(float* x, int64_t n, const int64_t* weights, int64_t quant, int64_t layers, int64_t hidden,
                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps, float scale,
                       const float* cos, const float* sin, const int64_t* positions, const int64_t* slots, float* kv,
                       int64_t page_size, int64_t n_dec, const int64_t* dec_pages, const int64_t* dec_lens,
                       int64_t dec_width, int64_t n_spans, const int64_t* spans, float* h, float* qkv, float* a,
                       float* o, float* gu, float* act, double* times) {
-  return layers_loop(x, n, weights, q8, layers, hidden, heads, kv_heads, dim, inter, eps, scale, cos, sin, positions,
+  return layers_loop(x, n, weights, quant, layers, hidden, heads, kv_heads, dim, inter, eps, scale, cos, sin, positions,
                      slots, kv, page_size, n_dec, dec_pages, dec_lens, dec_width, n_spans, spans, h, qkv, a, o, gu,
                      act, times);
 }
