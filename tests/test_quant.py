@@ -116,71 +116,65 @@ def test_fp32_activations_with_bf16_weights_equal_f_linear_on_the_rounded_weight
             assert torch.equal(gemm(x[rows:2 * rows], packed, n), full[rows:2 * rows])
 
 
-def test_int8_kernel_computes_with_its_int8_weights_whatever_shares_the_step(level):
-    """The native int8 kernel (``--weights int8`` on small steps): bf16 and fp32 activations against fp32
-    F.linear on the dequantized weight (the scale applied after the sum: fp32 rounding apart, and one bf16
-    rounding of the output), the packed layout giving back exactly the int8 weights and scales, and a row's
-    result the same whatever rows share its step (one row runs wider panels than several)."""
+def _holds_to_the_dequantized_weight(kernel, x: torch.Tensor, deq: torch.Tensor, bound: torch.Tensor) -> None:
+    """A weight-only kernel against fp32 F.linear on its dequantized weight: fp32 x within ``bound``, bf16 x also
+    one bf16 rounding of the output; and a row's result the same whatever rows share its step."""
+    full = kernel(x)
+    assert full.dtype == torch.float32 and ((full - x @ deq.T).abs() <= bound).all()
+    xb = x.to(torch.bfloat16)
+    fullb = kernel(xb)
+    ref = xb.float() @ deq.T
+    assert fullb.dtype == torch.bfloat16
+    assert ((fullb.float() - ref).abs() <= ref.abs() * 2.0**-8 + bound).all()
+    for rows in (1, 2, 3, 8, 9):
+        for a, xs in ((full, x), (fullb, xb)):
+            assert torch.equal(kernel(xs[:rows].contiguous()), a[:rows])
+            assert torch.equal(kernel(xs[rows:2 * rows]), a[rows:2 * rows])
+
+
+def _packed_q8(gemm: Gemm, w: torch.Tensor, x: torch.Tensor) -> tuple:
+    """int8: the packed layout gives back exactly the int8 weights and scales; the scale is applied after the
+    sum (fp32 rounding apart)."""
     from kvseal.model.quant import quantize_int8
+    n, k = w.shape
+    q, scales = quantize_int8(w)
+    packed = gemm.pack_q8(q, scales)
+    q2, s2 = Gemm.unpack_q8(packed, n, k)
+    assert torch.equal(q2, q) and torch.equal(s2, scales.float())
+    deq = q.float() * scales.float()[:, None]
+    return (lambda rows: gemm.q8(rows, packed, n)), deq, (x.abs() @ deq.abs().T) * 2.0**-20
+
+
+def _packed_q4(gemm: Gemm, w: torch.Tensor, x: torch.Tensor) -> tuple:
+    """int4 (GGUF Q4_1's grid): the packed layout gives back exactly the codes, scales and mins; scale and min are
+    applied per group after the sums of x * code and of x (each a few fp32 ulps of its sum of magnitudes)."""
+    from kvseal.model.quant import q4_grid
+    n, k = w.shape
+    codes, scales, mins = q4_grid(w)
+    packed = gemm.pack_q4(codes, scales, mins)
+    c2, s2, m2 = Gemm.unpack_q4(packed, n, k)
+    assert torch.equal(c2, codes) and torch.equal(s2, scales) and torch.equal(m2, mins)
+    deq = (codes.view(n, k // 32, 32).float() * scales.float()[..., None] + mins.float()[..., None]).view(n, k)
+    assert (deq - w.float()).abs().max() <= scales.float().max() * 0.51 + mins.float().abs().max() * 2**-8
+    per_weight = 15 * scales.float().repeat_interleave(32, 1) + mins.float().abs().repeat_interleave(32, 1)
+    return (lambda rows: gemm.q4(rows, packed, n)), deq, (x.abs() @ per_weight.T) * 2.0**-19
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_weight_only_kernels_compute_with_their_weights_whatever_shares_the_step(level, kind):
+    """The native int8 and int4 kernels (``--weights int8|int4`` on small steps): bf16 and fp32 activations
+    against fp32 F.linear on the dequantized weight (fp32 rounding apart, and one bf16 rounding of the output),
+    the packed layout giving back exactly what was packed, and a row's result the same whatever rows share its
+    step (one row runs wider panels than several)."""
     gen = torch.Generator().manual_seed(8)
     gemm = Gemm(library_path(level))
     for n, k in ((960, 576), (576, 1536), (48 * 3 + 16, 64), (32, 32)):
         w = (0.05 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
-        if not gemm.fits(w):
+        if not (gemm.fits(w) if kind == "int8" else gemm.q4_fits(w)):
             pytest.skip(f"no native GEMM at the {level} level")
-        q, scales = quantize_int8(w)
-        packed = gemm.pack_q8(q, scales)
-        q2, s2 = Gemm.unpack_q8(packed, n, k)
-        assert torch.equal(q2, q) and torch.equal(s2, scales.float())
-        deq = q.float() * scales.float()[:, None]
         x = torch.randn(13, k, generator=gen)
-        bound = (x.abs() @ deq.abs().T) * 2.0**-20
-        full = gemm.q8(x, packed, n)
-        assert full.dtype == torch.float32 and ((full - x @ deq.T).abs() <= bound).all()
-        xb = x.to(torch.bfloat16)
-        fullb = gemm.q8(xb, packed, n)
-        ref = xb.float() @ deq.T
-        assert fullb.dtype == torch.bfloat16
-        assert ((fullb.float() - ref).abs() <= ref.abs() * 2.0**-8 + bound).all()
-        for rows in (1, 2, 3, 8, 9):
-            for a, xs in ((full, x), (fullb, xb)):
-                assert torch.equal(gemm.q8(xs[:rows].contiguous(), packed, n), a[:rows])
-                assert torch.equal(gemm.q8(xs[rows:2 * rows], packed, n), a[rows:2 * rows])
-
-
-def test_int4_kernel_computes_with_its_int4_weights_whatever_shares_the_step(level):
-    """The native int4 kernel (``--weights int4`` on small steps, GGUF Q4_1's grid): the packed layout gives back
-    exactly the codes, scales and mins; bf16 and fp32 activations against fp32 F.linear on the dequantized
-    weight (scale and min applied per group after the sum: fp32 rounding apart, and one bf16 rounding of the
-    output); a row's result the same whatever rows share its step (one row runs wider panels than several)."""
-    from kvseal.model.quant import q4_grid
-    gen = torch.Generator().manual_seed(9)
-    gemm = Gemm(library_path(level))
-    for n, k in ((960, 576), (576, 1536), (48 * 3 + 16, 64), (32, 32)):
-        w = (0.05 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
-        if not gemm.q4_fits(w):
-            pytest.skip(f"no native GEMM at the {level} level")
-        codes, scales, mins = q4_grid(w)
-        packed = gemm.pack_q4(codes, scales, mins)
-        c2, s2, m2 = Gemm.unpack_q4(packed, n, k)
-        assert torch.equal(c2, codes) and torch.equal(s2, scales) and torch.equal(m2, mins)
-        deq = (codes.view(n, k // 32, 32).float() * scales.float()[..., None] + mins.float()[..., None]).view(n, k)
-        assert (deq - w.float()).abs().max() <= scales.float().max() * 0.51 + mins.float().abs().max() * 2**-8
-        x = torch.randn(13, k, generator=gen)
-        # the group's sums of x * code and of x, each a few fp32 ulps of its sum of magnitudes, times scale or min
-        bound = (x.abs() @ (15 * scales.float().repeat_interleave(32, 1) + mins.float().abs().repeat_interleave(32, 1)).T
-                 ) * 2.0**-19
-        full = gemm.q4(x, packed, n)
-        assert full.dtype == torch.float32 and ((full - x @ deq.T).abs() <= bound).all()
-        xb = x.to(torch.bfloat16)
-        fullb = gemm.q4(xb, packed, n)
-        ref = xb.float() @ deq.T
-        assert fullb.dtype == torch.bfloat16
-        assert ((fullb.float() - ref).abs() <= ref.abs() * 2.0**-8 + bound).all()
-        for rows in (1, 2, 3, 8, 9):
-            for a, xs in ((full, x), (fullb, xb)):
-                assert torch.equal(gemm.q4(xs[:rows].contiguous(), packed, n), a[:rows])
-                assert torch.equal(gemm.q4(xs[rows:2 * rows], packed, n), a[rows:2 * rows])
+        kernel, deq, bound = (_packed_q8 if kind == "int8" else _packed_q4)(gemm, w, x)
+        _holds_to_the_dequantized_weight(kernel, x, deq, bound)
 
 
 def test_an_fp32_model_keeps_its_weights_exact_or_reads_them_as_bf16(monkeypatch):
