@@ -20,8 +20,11 @@ def test_packed_kernel_equals_its_dequantized_weight(mode, kernel, monkeypatch):
     w = torch.randn(96, 128, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, generator=gen).to(torch.bfloat16)
     lin = Linear(w, b, mode, small_rows=4)
-    assert (lin.q8 if mode == "int8" else lin.q4) is None if kernel == "torch" else quant.load_gemm() is None or (
-        lin.q8 if mode == "int8" else lin.q4) is not None
+    native = lin.q8 if mode == "int8" else lin.q4
+    if kernel == "torch":
+        assert native is None
+    elif quant.load_gemm() is not None:
+        assert native is not None
     for rows in (1, 4):
         x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
         ref = F.linear(x.float(), lin.dequantized().float(), b.float())
