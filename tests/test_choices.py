@@ -1,6 +1,7 @@
 """n > 1 on the engine: a request's choices share their prompt's pages (computed once, read-only, reference
 counted) and decode into pages of their own; a page shared by one request is never read by another."""
 
+import asyncio
 import itertools
 import threading
 import time
@@ -13,13 +14,15 @@ from kvseal.engine.sampling import SamplingParams
 from kvseal.engine.sequence import Phase, Sequence
 from kvseal.errors import KVIntegrityError
 from kvseal.kv.pool import PageRun
+from kvseal.server.backend import EngineBackend, GenRequest
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 _rids = itertools.count(10_000)
 
 
 def choices(engine, prompt, n, params):
-    """Submit ``n`` choices of one request (the first one leads); wait for all; their tokens in order."""
+    """Submit ``n`` choices of one request (the first one leads) between two engine steps; wait for all;
+    their tokens in order."""
     outs, finals, done = [[] for _ in range(n)], [None] * n, threading.Event()
     rids = [next(_rids) for _ in range(n)]
 
@@ -32,9 +35,10 @@ def choices(engine, prompt, n, params):
                     done.set()
         return sink
 
-    for i, rid in enumerate(rids):
-        p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-        engine.submit(Sequence(rid, list(prompt), p, sink_for(i), eos_ids=frozenset({2}), group=rids[0]))
+    seqs = [Sequence(rid, list(prompt), params if params.seed is None else
+                     SamplingParams(**{**params.__dict__, "seed": params.seed + i}), sink_for(i),
+                     eos_ids=frozenset({2}), group=rids[0]) for i, rid in enumerate(rids)]
+    engine.call(lambda: [engine.admit(s) for s in seqs]).result()  # in one call, as the server's backend does
     assert done.wait(300), "choices hung"
     assert all(f.error is None for f in finals), finals
     return outs
@@ -56,6 +60,39 @@ def test_greedy_choices_share_the_prompt_and_equal_a_single_run(fp32_model, engi
     assert engine.shared_tokens - before == 3 * len(prompt)  # the prompt was computed once, not four times
     engine.call(engine.pool.check_integrity).result()
     assert engine.pool.num_free == engine.pool.cfg.num_pages
+
+
+def test_the_servers_choices_reach_the_engine_together_and_share_the_prompt(fp32_model, monkeypatch):
+    """The server starts a request's choices in one turn of its event loop; however the engine thread is
+    scheduled, a step never starts between two of them (it would leave the later ones to compute the prompt
+    again). Here the engine gets time to step after every call it is handed."""
+    engine = make_engine(fp32_model)
+    handed = engine.call
+
+    def call(fn):
+        fut = handed(fn)
+        time.sleep(0.3)  # long enough for the engine to compute the first choice's prompt
+        return fut
+
+    monkeypatch.setattr(engine, "call", call)
+    backend = EngineBackend(engine, "m", (2,))
+    prompt = chat_ids(fp32_model, PROMPT)
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    async def serve():
+        async def tokens(events):
+            return [t async for ev in events for t in ev.token_ids]
+        group = next(_rids)
+        rids = [group, next(_rids), next(_rids)]
+        return await asyncio.gather(*(tokens(backend.generate(GenRequest(rid, "t", prompt, params, group)))
+                                      for rid in rids))
+
+    try:
+        outs = asyncio.run(serve())
+        assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 4
+        assert engine.shared_tokens == 2 * len(prompt)
+    finally:
+        engine.stop()
 
 
 def test_sampled_choices_differ_and_reproduce_by_seed(fp32_model, engine):

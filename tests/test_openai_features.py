@@ -29,12 +29,23 @@ def token_id(server, text: str) -> int:
     return ids[0]
 
 
-def test_n_choices_streamed_and_whole(client, server):
+def shared_prompt_tokens(url: str) -> float:
+    """The engine's count of prompt tokens that choices read from their first choice's pages."""
+    line = next(x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                if x.startswith("kvseal_shared_prompt_tokens_total "))
+    return float(line.split()[1])
+
+
+def test_n_choices_streamed_and_whole(client, server, request):
     kw = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0, "n": 3}
+    colocated = request.node.callspec.params["server"] == "colocated"  # disaggregated: shared on a prefill
+    before = shared_prompt_tokens(server.url) if colocated else 0
     whole = client.chat.completions.create(**kw)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert len({c.message.content for c in whole.choices}) == 1  # greedy: every choice the same
     assert whole.usage.completion_tokens == 36 and whole.usage.prompt_tokens < 40  # the prompt counted once
+    if colocated:  # the two other choices read the prompt the first one computed, never computing it again
+        assert shared_prompt_tokens(server.url) - before == 2 * whole.usage.prompt_tokens
     texts = {0: "", 1: "", 2: ""}
     for chunk in client.chat.completions.create(stream=True, **kw):
         for c in chunk.choices:

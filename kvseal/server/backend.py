@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -98,6 +99,7 @@ class EngineBackend:
         self.context_window = engine.cfg.context_window
         self.pool_tokens = engine.pool.cfg.capacity_tokens
         self.prot = engine.cfg.protections
+        self.arriving: list[tuple[object, Future]] = []
 
     async def generate(self, req: GenRequest) -> AsyncIterator[Event]:
         q: asyncio.Queue = asyncio.Queue()
@@ -105,9 +107,32 @@ class EngineBackend:
 
         seq = Sequence(req.rid, req.prompt, req.params, self.batcher.sink_for(q), eos_ids=self.eos_ids,
                        group=req.group, tenant=req.tenant)
-        await asyncio.wrap_future(self.engine.submit(seq))
+        await asyncio.wrap_future(self.submit(seq))
         async for ev in drain(q, lambda: self.engine.abort(req.rid)):
             yield ev
+
+    def submit(self, seq: object) -> Future:
+        """Sequences submitted in one turn of the event loop reach the engine in one call. A request's n
+        choices start in one turn, so all of them are parked before the engine can compute the first one's
+        prompt, and they share it; submitted one call each, a step could start between two of them, and a
+        choice arriving after the prompt was computed would compute it again."""
+        fut: Future = Future()
+        if not self.arriving:
+            asyncio.get_running_loop().call_soon(self._send)
+        self.arriving.append((seq, fut))
+        return fut
+
+    def _send(self) -> None:
+        batch, self.arriving = self.arriving, []
+
+        def admit_all() -> None:  # engine thread
+            for seq, fut in batch:
+                try:
+                    fut.set_result(self.engine.admit(seq))
+                except Exception as e:  # noqa: BLE001 - handed to that sequence's caller
+                    fut.set_exception(e)
+
+        self.engine.call(admit_all)
 
     def check_capacity(self) -> None:
         pass  # the engine queues: backpressure, never shedding
