@@ -111,9 +111,9 @@ def foreign_reader_run(lm, prot: Protections) -> dict:
     try:
         rids = [next(_rids), next(_rids)]
         got = {rid: [] for rid in rids}
-        for rid in rids:
-            engine.submit(Sequence(rid, prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
-                                   got[rid].append, group=rids[0]))
+        seqs = [Sequence(rid, prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+                         got[rid].append, group=rids[0]) for rid in rids]
+        engine.call(lambda: [engine.admit(s) for s in seqs]).result()
         deadline = time.time() + 120
         while len(got[rids[1]]) < 3 and time.time() < deadline:
             time.sleep(0.01)
