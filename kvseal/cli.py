@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 # Must precede the first torch import. libgomp's idle workers spin ~300k iterations by default, starving
 # the HTTP thread on a small machine; 100k measured best here (bench/README: 32 streams, ~+15%).
@@ -18,7 +19,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 from kvseal.config import UNSAFE_FLAGS, Protections, WorkerSpec
 from kvseal.model.arch import ConfigError
-from kvseal.model.cpu import LevelError, choice
+from kvseal.model.cpu import LevelError, choice, resolve
 from kvseal.server.served import add_front_args
 
 
@@ -203,11 +204,12 @@ def check(a: argparse.Namespace) -> None:
 
         check_front(a)
     if a.cmd in ("serve", "prefill", "decode"):
-        from kvseal.engine.build import resolve
-        from kvseal.model.loader import inspect
-
         resolve(worker_spec(a))
-        inspect(a.model, a.load_format == "dummy", a.tokenizer)  # a checkpoint kvseal cannot serve exactly: refused before any process starts
+        p = Path(a.model) if a.model else None
+        if p is not None and (p.is_dir() or not p.exists()):  # a GGUF file is checked as it loads
+            from kvseal.model.loader import inspect  # PyTorch (meta tensors): never for `serve` of a GGUF file
+
+            inspect(p, a.load_format == "dummy", a.tokenizer)  # a checkpoint kvseal cannot serve exactly: refused before any process starts
 
 
 def _start(a: argparse.Namespace) -> None:

@@ -18,7 +18,7 @@ from kvseal.engine.grammar import Grammars
 from kvseal.kv.pool import PagePool
 from kvseal.kv.preflight import Sizing, pool_tokens_for, preflight
 from kvseal.machine import facts, one_line
-from kvseal.model.cpu import resolve_dtype, resolve_weights
+from kvseal.model.cpu import resolve
 from kvseal.model.loader import LoadedModel, load
 from kvseal.transfer.staging import staged
 
@@ -56,23 +56,6 @@ def off_main_thread(fn: Callable[[], object], threads: int = 0) -> object:
     if "e" in box:
         raise box["e"]
     return box["v"]
-
-
-def resolve(spec: WorkerSpec) -> tuple[str, str]:
-    """The worker's (dtype, weight mode) once ``auto`` is decided for this CPU (or GPU); raises ValueError on a
-    pair that cannot run (fp32 weights in a bf16 model) or a device this host does not have."""
-    dtype = resolve_dtype(spec.dtype)[0]
-    weights = resolve_weights(spec.weights, spec.dtype)
-    if spec.device == "cuda":
-        if not torch.cuda.is_available():
-            build = "built without CUDA" if torch.version.cuda is None else "no GPU visible"
-            raise ValueError(f"--device cuda: no CUDA device here (torch {torch.__version__}, {build})")
-        dtype = "bf16" if spec.dtype == "auto" else dtype  # every CUDA GPU kvseal targets has bf16 matrix units
-        if weights in ("int8", "int4"):
-            raise ValueError(f"--weights {weights} runs on the CPU only (its kernels are the CPU's)")
-    if weights == "fp32" and dtype != "fp32":
-        raise ValueError(f"--weights fp32 needs --dtype fp32 (the model computes in {dtype})")
-    return dtype, weights
 
 
 def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | None = None,

@@ -20,6 +20,10 @@ import importlib.util
 import os
 import platform
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvseal.config import WorkerSpec
 
 # level -> the /proc/cpuinfo flags it needs, per architecture, lowest first: everything its -march lets the
 # compiler emit (x86-64-v3 also allows BMI1/2, MOVBE and LZCNT, listed as "abm"; v4 adds AVX-512 CD)
@@ -170,3 +174,22 @@ def resolve_weights(weights: str, dtype_flag: str) -> str:
     if weights != "auto":
         return weights
     return "fp32" if dtype_flag in ("fp32", "float32") else "bf16"
+
+
+def resolve(spec: WorkerSpec) -> tuple[str, str]:
+    """The worker's (dtype, weight mode) once ``auto`` is decided for this CPU (or GPU); raises ValueError on a
+    pair that cannot run (fp32 weights in a bf16 model) or a device this host does not have."""
+    dtype = resolve_dtype(spec.dtype)[0]
+    weights = resolve_weights(spec.weights, spec.dtype)
+    if spec.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            build = "built without CUDA" if torch.version.cuda is None else "no GPU visible"
+            raise ValueError(f"--device cuda: no CUDA device here (torch {torch.__version__}, {build})")
+        dtype = "bf16" if spec.dtype == "auto" else dtype  # every CUDA GPU kvseal targets has bf16 matrix units
+        if weights in ("int8", "int4"):
+            raise ValueError(f"--weights {weights} runs on the CPU only (its kernels are the CPU's)")
+    if weights == "fp32" and dtype != "fp32":
+        raise ValueError(f"--weights fp32 needs --dtype fp32 (the model computes in {dtype})")
+    return dtype, weights
