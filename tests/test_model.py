@@ -138,6 +138,30 @@ def test_load_cache_gives_the_same_model(tmp_path, monkeypatch):
     assert chat_ids(parsed, text) == chat_ids(cached, text)
 
 
+def test_the_cached_tokenizer_is_the_one_autotokenizer_builds():
+    """A server start reads the load cache's tokenizer as the class it was saved from, without AutoTokenizer's
+    import of every model's tokenizer: the same class, tokens, special tokens, chat template and decoding."""
+    from transformers import AutoTokenizer
+
+    from kvseal.model.files import load_tokenizer, tokenizer_source
+    from kvseal.model.loader import default_model_path, load
+
+    off_main_thread(lambda: load(None, torch.bfloat16, progress=False))  # the load cache is written by now
+    cache = tokenizer_source(default_model_path())
+    assert cache != default_model_path(), "no load cache to read"
+    ours, auto = load_tokenizer(default_model_path()), AutoTokenizer.from_pretrained(str(cache))
+    assert type(ours) is type(auto) and len(ours) == len(auto) and ours.get_vocab() == auto.get_vocab()
+    assert ours.special_tokens_map == auto.special_tokens_map and ours.all_special_ids == auto.all_special_ids
+    texts = ["Bonjour! ünïcödé 日本 🙂 What is 2+2?", "<|im_start|>user\n  spaces\tand tabs<|im_end|>", ""]
+    for text in texts:
+        ids = auto.encode(text)
+        assert ours.encode(text) == ids and ours.decode(ids) == auto.decode(ids)
+        assert ours.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[0]}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
 def test_a_tokenizer_is_counted_as_transformers_counts_it_without_building_it(tmp_path):
     """A worker checks the tokenizer fits the vocabulary from tokenizer.json alone (transformers' import is ~1 s
     of every start); the count is the one transformers gives, added tokens included, and the tokenizer itself is

@@ -50,12 +50,27 @@ def tokenizer_source(p: Path) -> Path:
 
 
 def load_tokenizer(p: Path) -> object:
+    src = tokenizer_source(p)
+    if (src / DONE).exists() and saved_class(src) == "TokenizersBackend":
+        # The load cache's copy of a GGUF file's tokenizer, saved from a TokenizersBackend: built as that class.
+        # AutoTokenizer builds the same here (the cache's config.json is kvseal's, so tokenizer_config.json alone
+        # decides), but first imports every model's tokenizer mapping: ~1.8 CPU-s of every server start.
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(src))
     from transformers import AutoTokenizer
 
-    p = tokenizer_source(p)
-    if p.is_file():
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(str(p))
+    if src.is_file():
+        return AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    return AutoTokenizer.from_pretrained(str(src))
+
+
+def saved_class(d: Path) -> str | None:
+    """The tokenizer class a saved tokenizer directory names."""
+    try:
+        return json.loads((d / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def tokenizer_size(p: Path) -> int:
