@@ -95,6 +95,34 @@ def test_the_servers_choices_reach_the_engine_together_and_share_the_prompt(fp32
         engine.stop()
 
 
+def test_a_client_leaving_before_the_engine_admits_its_request_never_stalls_the_others(fp32_model):
+    """Three requests reach the engine in one call while it is busy; the first one's client leaves meanwhile.
+    It is never admitted, and the two others are served as if it had never come."""
+    engine = make_engine(fp32_model)
+    backend = EngineBackend(engine, "m", (2,))
+    prompt = chat_ids(fp32_model, PROMPT)
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    async def serve():
+        async def tokens(events):
+            return [t async for ev in events for t in ev.token_ids]
+        busy = engine.call(lambda: time.sleep(1.0))  # the engine thread is mid-step
+        tasks = [asyncio.ensure_future(tokens(backend.generate(GenRequest(next(_rids), "t", prompt, params))))
+                 for _ in range(3)]
+        await asyncio.sleep(0.2)  # all three handed over, none admitted yet
+        tasks[0].cancel()
+        await asyncio.wrap_future(busy)
+        return await asyncio.wait_for(asyncio.gather(*tasks[1:]), 120)
+
+    try:
+        a, b = asyncio.run(serve())
+        assert a == b and len(a) == 4
+        assert engine.call(lambda: (engine.pool.num_free, len(engine.seqs))).result(10) == \
+            (engine.pool.cfg.num_pages, 0)
+    finally:
+        engine.stop()
+
+
 def test_sampled_choices_differ_and_reproduce_by_seed(fp32_model, engine):
     prompt = chat_ids(fp32_model, PROMPT)
     p = SamplingParams(max_tokens=16, temperature=1.0, seed=11)

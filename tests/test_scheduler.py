@@ -113,3 +113,21 @@ def test_a_preempted_requests_old_table_fails_the_tag_check(fp32_model, tags):
         assert res.failed == [a] and res.logits is None
     else:
         assert res.failed == [] and res.seqs == [a]
+
+
+def test_a_caller_that_gives_up_before_the_engine_runs_its_call_leaves_the_engine_serving(fp32_model):
+    """A client that leaves while its request waits for the engine thread (``await wrap_future(...)`` cancelled,
+    which cancels the call's future) must not take the engine thread down: the call still runs (it may release
+    pages), its result goes nowhere, and the next request is served."""
+    engine = make_engine(fp32_model)
+    try:
+        busy = engine.call(lambda: time.sleep(0.5))  # the engine thread is mid-step
+        gone = engine.submit(Sequence(987_654, chat_ids(fp32_model, "Hi"), SamplingParams(max_tokens=4),
+                                      lambda ev: None))
+        assert gone.cancel()
+        busy.result(10)
+        [out] = generate(engine, [chat_ids(fp32_model, "List three colors.")], 4, timeout=60)
+        assert len(out) == 4
+        assert engine.call(lambda: engine.pool.num_free).result(10) == engine.pool.cfg.num_pages
+    finally:
+        engine.stop()

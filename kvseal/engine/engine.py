@@ -77,14 +77,23 @@ class Engine:
         self._thread.join(timeout=10)
 
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the engine thread between steps; the future carries its result or exception."""
+        """Run ``fn`` on the engine thread between steps; the future carries its result or exception.
+
+        A caller that gave up first (an awaiting task cancelled, which cancels this future) does not stop
+        ``fn``: it may release pages. Its result then goes nowhere; setting it on the cancelled future would
+        raise on the engine thread and end it, hanging every request."""
         fut: Future = Future()
 
         def run() -> None:
+            wanted = fut.set_running_or_notify_cancel()  # from here on the future cannot be cancelled
             try:
-                fut.set_result(fn())
+                result = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+                if wanted:
+                    fut.set_exception(e)
+                return
+            if wanted:
+                fut.set_result(result)
 
         self._inbox.put(run)
         return fut

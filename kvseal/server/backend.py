@@ -107,7 +107,11 @@ class EngineBackend:
 
         seq = Sequence(req.rid, req.prompt, req.params, self.batcher.sink_for(q), eos_ids=self.eos_ids,
                        group=req.group, tenant=req.tenant)
-        await asyncio.wrap_future(self.submit(seq))
+        try:
+            await asyncio.wrap_future(self.submit(seq))
+        except asyncio.CancelledError:  # the client left while its request waited for the engine thread
+            self.engine.abort(req.rid)  # if it was admitted meanwhile, it stops (and frees) at once
+            raise
         async for ev in drain(q, lambda: self.engine.abort(req.rid)):
             yield ev
 
@@ -127,6 +131,8 @@ class EngineBackend:
 
         def admit_all() -> None:  # engine thread
             for seq, fut in batch:
+                if not fut.set_running_or_notify_cancel():  # its client left first: nothing to admit
+                    continue
                 try:
                     fut.set_result(self.engine.admit(seq))
                 except Exception as e:  # noqa: BLE001 - handed to that sequence's caller
