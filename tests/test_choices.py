@@ -44,6 +44,12 @@ def choices(engine, prompt, n, params):
     return outs
 
 
+async def served(backend: EngineBackend, rid: int, prompt: list[int], group: int | None = None) -> list[int]:
+    """One request through the server's backend (4 greedy tokens), as the OpenAI layer drives it."""
+    events = backend.generate(GenRequest(rid, "t", prompt, SamplingParams(max_tokens=4, temperature=0), group))
+    return [t async for ev in events for t in ev.token_ids]
+
+
 @pytest.fixture(scope="module")
 def engine(fp32_model):
     e = make_engine(fp32_model)
@@ -77,15 +83,10 @@ def test_the_servers_choices_reach_the_engine_together_and_share_the_prompt(fp32
     monkeypatch.setattr(engine, "call", call)
     backend = EngineBackend(engine, "m", (2,))
     prompt = chat_ids(fp32_model, PROMPT)
-    params = SamplingParams(max_tokens=4, temperature=0)
 
     async def serve():
-        async def tokens(events):
-            return [t async for ev in events for t in ev.token_ids]
         group = next(_rids)
-        rids = [group, next(_rids), next(_rids)]
-        return await asyncio.gather(*(tokens(backend.generate(GenRequest(rid, "t", prompt, params, group)))
-                                      for rid in rids))
+        return await asyncio.gather(*(served(backend, rid, prompt, group) for rid in (group, next(_rids), next(_rids))))
 
     try:
         outs = asyncio.run(serve())
@@ -99,16 +100,15 @@ def test_a_client_leaving_before_the_engine_admits_its_request_never_stalls_the_
     """Three requests reach the engine in one call while it is busy; the first one's client leaves meanwhile.
     It is never admitted, and the two others are served as if it had never come."""
     engine = make_engine(fp32_model)
+    admitted, admit = [], engine.admit
+    engine.admit = lambda seq: (admitted.append(seq.rid), admit(seq))[1]
     backend = EngineBackend(engine, "m", (2,))
     prompt = chat_ids(fp32_model, PROMPT)
-    params = SamplingParams(max_tokens=4, temperature=0)
+    rids = [next(_rids) for _ in range(3)]
 
     async def serve():
-        async def tokens(events):
-            return [t async for ev in events for t in ev.token_ids]
         busy = engine.call(lambda: time.sleep(1.0))  # the engine thread is mid-step
-        tasks = [asyncio.ensure_future(tokens(backend.generate(GenRequest(next(_rids), "t", prompt, params))))
-                 for _ in range(3)]
+        tasks = [asyncio.ensure_future(served(backend, rid, prompt)) for rid in rids]
         await asyncio.sleep(0.2)  # all three handed over, none admitted yet
         tasks[0].cancel()
         await asyncio.wrap_future(busy)
@@ -116,7 +116,7 @@ def test_a_client_leaving_before_the_engine_admits_its_request_never_stalls_the_
 
     try:
         a, b = asyncio.run(serve())
-        assert a == b and len(a) == 4
+        assert a == b and len(a) == 4 and admitted == rids[1:]
         assert engine.call(lambda: (engine.pool.num_free, len(engine.seqs))).result(10) == \
             (engine.pool.cfg.num_pages, 0)
     finally:
