@@ -27,6 +27,8 @@ from kvseal.model import cpu
 from kvseal.model.loader import load
 from kvseal.transfer.auth import ClusterSecret, Signer, write_secret_file
 
+import forked
+
 # Under pytest-xdist (make test) two test files run at once on the machine's cores. Every engine, in this
 # process or a server's, then runs on one thread: an OpenMP team whose cores another process also uses waits at
 # each of its barriers for a descheduled member (steps 10-40x slower, measured), where single threads just share.
@@ -127,10 +129,7 @@ class Server:
             args = [*args, "--kv-memory", "0.5"]
         if PARALLEL and args[0] in ("prefill", "decode", "serve") and "--threads" not in args:
             args = [*args, "--threads", "1"]
-        full_env = {**os.environ, **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.cli", *args, "--port", str(self.port)],
-                                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = launch([*args, "--port", str(self.port)], env or {})
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -172,6 +171,58 @@ class Server:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
+
+
+class Forked:
+    """A server forked from the session's forkserver (tests/forked.py), with the part of ``Popen``'s interface
+    the tests use: ``pid``, ``poll``, ``wait``, ``kill`` and ``stdout`` (its output so far)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        fd, log = tempfile.mkstemp(prefix="kvseal-server-", suffix=".log")
+        os.close(fd)
+        self.stdout = open(log)  # noqa: SIM115 - read at teardown; the server unlinks the file once it has it
+        # daemon: one a test left running is stopped when pytest exits (multiprocessing joins the others)
+        self._p = _forkserver().Process(target=forked.run, args=(argv, env, log), daemon=True)
+        self._p.start()
+        self.pid = self._p.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def poll(self) -> int | None:
+        return self._p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._p.join(timeout)
+        if self._p.exitcode is None:
+            raise subprocess.TimeoutExpired(f"kvseal (pid {self.pid})", timeout)
+        return self._p.exitcode
+
+    def kill(self) -> None:
+        self._p.kill()
+
+
+@functools.cache
+def _forkserver():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(forked.PRELOAD)
+    return ctx
+
+
+FORK = os.environ.get("KVSEAL_TEST_FORK", "1") != "0"
+
+
+def launch(argv: list[str], env: dict[str, str]) -> subprocess.Popen | Forked:
+    """``kvseal ARGV`` with ``env`` over this process's: forked (tests/forked.py) when every variable given is
+    one a server reads as it runs, otherwise a fresh interpreter."""
+    full_env = {**os.environ, **env}
+    if FORK and all(k.startswith(forked.RUNTIME_ENV) for k in env):
+        return Forked(argv, full_env)
+    return subprocess.Popen([sys.executable, "-m", "kvseal.cli", *argv], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def wait_pages_back(server: Server, timeout: float = 20) -> dict:
