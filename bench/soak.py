@@ -75,7 +75,7 @@ def plan(seed: int, requests: int) -> tuple[list[dict], dict[int, str]]:
     return jobs, canaries
 
 
-def soak(seed: int, requests: int, clients: int = 8, kills: int | None = None, dtype: str = "bf16",
+def soak(seed: int, requests: int, clients: int = 8, kills: int | None = None, dtype: str = "auto",
          log: bool = True, unsafe: tuple[str, ...] = ()) -> dict:
     """``unsafe``: protections switched off (``--unsafe-no-…`` flags), to show the checks go red."""
     jobs, canaries = plan(seed, requests)
@@ -235,7 +235,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--kills", type=int, default=None, help="worker kills (default: one per 1,500 requests)")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="the workers' --dtype (auto: bf16 where the CPU has bf16 dot products, else fp32)")
     ap.add_argument("--unsafe", action="append", default=[], metavar="FLAG",
                     help="switch a protection off (e.g. --unsafe=--unsafe-no-cache-salt) to see the checks go red")
     a = ap.parse_args()
