@@ -72,18 +72,25 @@ def _key(f):
 
 def test_a_checkpoint_changed_on_disk_is_never_read_from_an_older_shared_file(tmp_path, capfd, monkeypatch):
     """The shared file names the checkpoint's files by size and time: after the checkpoint changes, a worker
-    keeps its own copy instead of mapping weights packed from the old one."""
+    keeps its own copy instead of mapping weights packed from the old one. (A small random checkpoint: the
+    key is made the same way for a GGUF file and a directory's files, and this one loads in a second.)"""
     import os
-    import shutil
 
-    from kvseal.model.loader import default_model_path
+    import transformers
 
+    from kvseal.model.loader import default_model_path, load_tokenizer
+
+    d = tmp_path / "model"
+    tok = load_tokenizer(default_model_path())
+    tok.save_pretrained(str(d))
     monkeypatch.setenv("KVSEAL_CACHE", "off")  # no load-cache entry for a copy that lives only this long
-    gguf = tmp_path / "model.gguf"
-    shutil.copy(default_model_path(), gguf)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(d))
     f = tmp_path / "weights"
-    needs_gemm(load(gguf, torch.bfloat16, progress=False, shared=f))
-    st = gguf.stat()
-    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new checkpoint under the same name
-    load(gguf, torch.bfloat16, progress=False, shared=f)
+    needs_gemm(load(d, torch.bfloat16, progress=False, shared=f))
+    st = (d / "model.safetensors").stat()
+    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # new weights, same name
+    load(d, torch.bfloat16, progress=False, shared=f)
     assert "holds other weights" in capfd.readouterr().out
