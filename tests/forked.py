@@ -8,7 +8,9 @@ runs ``kvseal.cli.main`` with its own arguments and environment, exactly as the 
 What a fork cannot give a server is an environment read while those modules loaded (``KVSEAL_ISA``, oneDNN's
 and OpenMP's variables, ``LD_PRELOAD``…): a server asked for with any variable outside ``RUNTIME_ENV`` starts as
 a fresh interpreter (tests/conftest.py). Nothing in the forkserver runs a parallel PyTorch op before it forks,
-so no OpenMP team is copied into a child without its threads. ``KVSEAL_TEST_FORK=0`` starts every server fresh.
+so no OpenMP team is copied into a child without its threads; its one other thread is numpy's idle OpenBLAS
+server, which OpenBLAS shuts down at a fork and starts again when needed. ``KVSEAL_TEST_FORK=0`` starts every
+server fresh.
 """
 
 from __future__ import annotations
