@@ -83,7 +83,7 @@ def test_a_checkpoint_changed_on_disk_is_never_read_from_an_older_shared_file(tm
     d = tmp_path / "model"
     tok = load_tokenizer(default_model_path())
     tok.save_pretrained(str(d))
-    monkeypatch.setenv("KVSEAL_CACHE", "off")  # no load-cache entry for a copy that lives only this long
+    monkeypatch.setenv("KVSEAL_CACHE", "off")  # no load-cache entry for a checkpoint that lives only this long
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
