@@ -84,7 +84,7 @@ Submit(r) ==
 \* RESERVING --lease--> TRANSFERRING (client there) | CLOSED (client left: SendAbort writer done)
 \* RESERVING --reserve_failed--> CLOSED
 RouterLease(m) ==
-    /\ m \in net /\ m.t = "Lease" /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "RESERVING"
+    /\ m.t = "Lease" /\ m \in net /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "RESERVING"
     /\ IF m.x = "ok"
        THEN IF gone[m.l]
             THEN rq' = [rq EXCEPT ![m.l[1]] = "CLOSED"] /\ net' = (net \ {m}) \cup {Msg("Abort", m.l, "wd")}
@@ -102,7 +102,7 @@ ReserveTimeout(r) ==
 \* TRANSFERRING --acked--> STREAMING | CLOSED (client left: SendAbort writer done)
 \* TRANSFERRING --refused--> CLOSED (SendAbort writer done, Fail)
 RouterAnswer(m) ==
-    /\ m \in net /\ m.t = "Ack" /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "TRANSFERRING"
+    /\ m.t = "Ack" /\ m \in net /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "TRANSFERRING"
     /\ m.x \in {"200", "400", "500", "503"}
     /\ IF m.x = "200" /\ ~gone[m.l]
        THEN rq' = [rq EXCEPT ![m.l[1]] = "STREAMING"] /\ Recv(m) /\ UNCHANGED outcome
@@ -132,7 +132,7 @@ RouterForgotten(r) ==
 
 \* STREAMING --final--> CLOSED
 RouterFinal(m) ==
-    /\ m \in net /\ m.t = "Ack" /\ m.x = "final" /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "STREAMING"
+    /\ m.t = "Ack" /\ m \in net /\ m.x = "final" /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "STREAMING"
     /\ rq' = [rq EXCEPT ![m.l[1]] = "CLOSED"] /\ Recv(m) /\ End(m.l, "200")
     /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, att, gone, corrupt, faults, Flags>>)
 
@@ -157,7 +157,7 @@ Leave(r) ==
 (* ---------------------------------------- decode ---------------------------------------------------------- *)
 \* - --reserve--> RESERVED (one open lease per request id; a page, or 503)
 Reserve(m) ==
-    /\ m \in net /\ m.t = "Reserve"
+    /\ m.t = "Reserve" /\ m \in net
     /\ IF (\E p \in Pages : pst[p] = "FREE") /\ ~\E k \in Leases : k[1] = m.l[1] /\ Open(k)
        THEN \E p \in Pages :
             /\ pst[p] = "FREE"
@@ -172,7 +172,7 @@ Reserve(m) ==
 \* RESERVED --commit--> VERIFYING | QUARANTINED (coverage fails: Quarantine, End 500, Reply)
 \* RUNNING --commit--> RUNNING (a duplicate)
 Commit(m) ==
-    /\ m \in net /\ m.t = "Commit"
+    /\ m.t = "Commit" /\ m.x = "commit" /\ m \in net
     /\ LET l == m.l
            capok == capep[l] = epoch /\ (~expired[l] \/ Variant = "commit_after_expiry")
            ks == DecodeLease(l)
@@ -191,13 +191,12 @@ Commit(m) ==
                     /\ net' = (net \ {m}) \cup {Msg("Commit", l, "verify")}
                     /\ stale' = (stale \/ expired[k])  \* a commit accepted for a lease past its TTL
                     /\ UNCHANGED PoolVars
-    /\ m.x = "commit"
     /\ Unchanged(<<dpg, lgen, capep, expired, epoch, PreVars, RtrVars, faults, leak, badwrite>>)
 
 \* VERIFYING --verified--> RUNNING (tags and checksum hold: Start) | QUARANTINED (they fail)
 \* QUARANTINED --verified--> QUARANTINED (aborted while verifying)
 Verified(m) ==
-    /\ m \in net /\ m.t = "Commit" /\ m.x = "verify"
+    /\ m.t = "Commit" /\ m \in net /\ m.x = "verify"
     /\ LET l == m.l
            ks == {k \in Leases : k[1] = l[1] /\ dl[k] \in {"VERIFYING", "QUARANTINED"} /\ Nonce(k) = Nonce(l)}
        IN IF ks = {} THEN net' = (net \ {m}) \cup {Msg("Ack", l, "d503")} /\ UNCHANGED <<dl, PoolVars, leak>>
@@ -231,7 +230,7 @@ Finish(l) ==
 \* RUNNING --abort|router_gone--> CLOSED (Stop)
 \* RESERVED|VERIFYING --abort--> CLOSED (deferred release off: Free; the free_on_abort variant)
 Abort(m) ==
-    /\ m \in net /\ m.t = "Abort"
+    /\ m.t = "Abort" /\ m \in net
     /\ LET ks == DecodeLease(m.l) IN
        IF ks = {} THEN Recv(m) /\ UNCHANGED <<dl, PoolVars>>
        ELSE LET k == CHOOSE k \in ks : TRUE
@@ -247,7 +246,7 @@ Abort(m) ==
 
 \* QUARANTINED --writer_done--> CLOSED (Release); the capability must be current
 WriterDone(m) ==
-    /\ m \in net /\ m.t = "WriterDone" /\ Recv(m)
+    /\ m.t = "WriterDone" /\ m \in net /\ Recv(m)
     /\ LET ks == {k \in DecodeLease(m.l) : dl[k] = "QUARANTINED"} IN
        IF ks = {} \/ capep[m.l] # epoch THEN UNCHANGED <<dl, PoolVars>>
        ELSE LET k == CHOOSE k \in ks : TRUE IN
@@ -275,7 +274,7 @@ Expire(l) ==
 
 \* QUARANTINED --forget_answer--> CLOSED (Release), when the writer says it is not writing
 ForgetAnswer(m) ==
-    /\ m \in net /\ m.t = "Forget" /\ m.x = "decode-answer" /\ Recv(m)
+    /\ m.t = "Forget" /\ m \in net /\ m.x = "decode-answer" /\ Recv(m)
     /\ IF dl[m.l] = "QUARANTINED"
        THEN dl' = [dl EXCEPT ![m.l] = "CLOSED"] /\ FreePage(dpg[m.l]) /\ UNCHANGED pdat
        ELSE UNCHANGED <<dl, PoolVars>>
@@ -297,7 +296,7 @@ Fence ==
 \* - --prefill--> COMPUTING (admission first and final; a forgotten or done lease is refused)
 \* COMPUTING|WRITING|COMMITTING --prefill--> COMPUTING|WRITING|COMMITTING (a copy: dropped, the original answers)
 Prefill(m) ==
-    /\ m \in net /\ m.t = "Prefill" /\ pup
+    /\ m.t = "Prefill" /\ m \in net /\ pup
     /\ IF xs[m.l] \in {"COMPUTING", "WRITING", "COMMITTING"} THEN Recv(m) /\ UNCHANGED <<xs, xfull, corrupt, faults>>
        ELSE IF Nonce(m.l) \in forgotten \/ xs[m.l] # "-"
        THEN net' = (net \ {m}) \cup {Msg("Ack", m.l, "503")} /\ UNCHANGED <<xs, xfull, corrupt, faults>>
@@ -334,7 +333,7 @@ Write(l) ==
 
 \* COMMITTING --acked--> CLOSED (accepted: ReleaseOwn, Settle) | (refused: ReleaseOwn, SendWriterDone, Settle)
 Acked(m) ==
-    /\ m \in net /\ m.t = "Ack" /\ m.x \in {"d200", "d500", "d503"} /\ pup /\ xs[m.l] = "COMMITTING"
+    /\ m.t = "Ack" /\ m \in net /\ m.x \in {"d200", "d500", "d503"} /\ pup /\ xs[m.l] = "COMMITTING"
     /\ xs' = [xs EXCEPT ![m.l] = "CLOSED"] /\ forgotten' = forgotten \cup {Nonce(m.l)}
     /\ net' = (net \ {m}) \cup
               (IF m.x = "d200" THEN {Msg("Ack", m.l, "200")}
@@ -351,7 +350,7 @@ CommitTimeout(l) ==
 \* COMPUTING --forget--> CLOSED (StopCompute, Settle 503)
 \* WRITING|COMMITTING --forget--> WRITING|COMMITTING (a write may land: no answer)
 PrefillForget(m) ==
-    /\ m \in net /\ m.t = "Forget" /\ m.x \in {"router", "decode"} /\ pup
+    /\ m.t = "Forget" /\ m \in net /\ m.x \in {"router", "decode"} /\ pup
     /\ forgotten' = forgotten \cup {Nonce(m.l)}
     /\ LET writing == xs[m.l] \in {"WRITING", "COMMITTING"}
            answer == Msg("Forget", m.l, IF m.x = "router" THEN "router-answer" ELSE "decode-answer")
@@ -383,13 +382,13 @@ DeadLetter(m) == /\ m \in net
                  /\ Recv(m) /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, RtrVars, faults, Flags>>)
 
 (* ---------------------------------------- network --------------------------------------------------------- *)
-Lose(m) == /\ m \in net /\ faults < MaxFaults /\ m.x # "verify"
+Lose(m) == /\ faults < MaxFaults /\ m \in net /\ m.x # "verify"
            /\ faults' = faults + 1 /\ Recv(m)
            /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, RtrVars, Flags>>)
 \* the network will deliver this message a second time, later (after the first copy was taken). Only the
 \* messages that act on a lease by its id (abort, commit, writer-done): a late copy of one is what a reused
 \* lease identity would take for its own. (The simulator duplicates every message.)
-Duplicate(m) == /\ m \in net /\ faults < MaxFaults /\ m.t \in {"Abort", "Commit", "WriterDone"}
+Duplicate(m) == /\ faults < MaxFaults /\ m \in net /\ m.t \in {"Abort", "Commit", "WriterDone"}
                 /\ m.x # "verify" /\ m \notin late
                 /\ faults' = faults + 1 /\ late' = late \cup {m}
                 /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, RtrVars, net, Flags>>)

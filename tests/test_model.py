@@ -1,6 +1,8 @@
 """The real model: kvseal's greedy tokens equal Hugging Face transformers', and batching changes nothing."""
 
+import contextlib
 import copy
+import functools
 import time
 
 import pytest
@@ -21,13 +23,32 @@ N = 32
 EOS = (2,)  # <|im_end|>; both sides stop there, inclusive
 
 
+@contextlib.contextmanager
+def gguf_memoized():
+    """transformers' GGUF loader builds gguf's tensor name map once per tensor (397 times) and parses the file
+    twice (config, then weights); both are pure functions of their arguments, so memoizing them while it loads
+    gives the same model in half the time (23 -> 10 s on an AVX2 Zen 3)."""
+    import gguf
+
+    saved = gguf.get_tensor_name_map, gguf.GGUFReader
+    gguf.get_tensor_name_map = functools.lru_cache(None)(saved[0])
+    gguf.GGUFReader = functools.lru_cache(None)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = saved
+
+
 def hf_model(lm, dtype):
-    """Hugging Face's own model from the same GGUF file (~12 s here: transformers converts the GGUF's
-    tokenizer too)."""
+    """Hugging Face's own model from the same GGUF file (transformers dequantizes it with gguf's own code and
+    converts the GGUF's tokenizer too)."""
     from transformers import AutoModelForCausalLM
 
-    return off_main_thread(lambda: AutoModelForCausalLM.from_pretrained(str(lm.path.parent), gguf_file=lm.path.name,
-                                                                        dtype=dtype))
+    def load():
+        with gguf_memoized():
+            return AutoModelForCausalLM.from_pretrained(str(lm.path.parent), gguf_file=lm.path.name, dtype=dtype)
+
+    return off_main_thread(load)
 
 
 @pytest.fixture(scope="module")
