@@ -39,13 +39,13 @@ def timing_cluster(unsafe: list[str]) -> Trio:
 
 
 def test_probe_finds_nothing_on_the_hardened_default(tmp_path):
-    with cluster([]) as t:
+    with cluster([], context=512) as t:
         code, rep = probe(t.url, "abc", tmp_path)
     assert code == 0 and rep["ok"], rep["findings"]
 
 
 def test_probe_finds_the_2026_leak(tmp_path):
-    with cluster(["--unsafe-no-all"]) as t:
+    with cluster(["--unsafe-no-all"], context=512) as t:
         code, rep = probe(t.url, "ab", tmp_path)
     assert code == 1
     checks = rep["checks"]
