@@ -169,6 +169,27 @@ def test_an_abort_for_another_lease_of_the_same_request_id_changes_nothing():
     assert decode.Release(1) in core.abort(1, nonce=cap.nonce, writer_done=True)
 
 
+def test_a_capability_from_before_a_restart_is_a_fault_and_a_forged_one_is_forbidden():
+    """Seen in the soak: a decode killed and restarted between a lease's grant and its commit answered the commit
+    403 (its new key does not verify the old MAC), and the client got 403 for a fault. A capability of the same
+    address's earlier incarnation is 503; one naming another address, or this incarnation with a bad MAC, 403."""
+    from kvseal.transfer.auth import Forbidden
+
+    before = decode.DecodeCore(b"a" * 32, "127.0.0.1:9#one")
+    cap, _ = before.reserve(1, 5, "p0", "r0", "s0", 4, (0,), (0,), 0.0)
+    after = decode.DecodeCore(b"b" * 32, "127.0.0.1:9#two")
+    with pytest.raises(decode.GrantedBeforeRestart) as e:
+        after.check_cap(cap, 1, 5, [], 0.0)
+    assert e.value.status == 503
+    other = decode.DecodeCore(b"b" * 32, "127.0.0.1:10#two")
+    forged = P.Capability(**{f: getattr(cap, f) for f in cap.__struct_fields__ if f != "decode_id"},
+                          decode_id="127.0.0.1:9#two")
+    for core, c in ((other, cap), (after, forged)):
+        with pytest.raises(Forbidden) as e:
+            core.check_cap(c, 1, 5, [], 0.0)
+        assert e.value.status == 403
+
+
 def test_an_unanswered_prefill_is_reported_done_only_when_it_confirms():
     """The router gave up waiting for prefill: decode may free the lease at once only if prefill confirmed (its
     Forget answer) that it never wrote; otherwise the pages wait (WriterDone, fence or TTL). A rare interleaving

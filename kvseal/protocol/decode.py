@@ -46,6 +46,13 @@ class LeaseState(Enum):
     QUARANTINED = "quarantined"  # revoked while a write may still land: nobody reads or reuses the pages
 
 
+class GrantedBeforeRestart(Overloaded):
+    """A capability this decode's address granted before the worker restarted: the lease, its pages and the key
+    that signed it died with that process. A fault (503), not a forgery (403): the client may retry."""
+
+    code = "decode_restarted"
+
+
 class WriterFenced(EngineError):
     """A capability from before its writer was fenced, or past its expiry: that writer is dead to this decode."""
 
@@ -213,7 +220,13 @@ class DecodeCore:
     def check_cap(self, c: P.Capability | None, rid: int, nonce: int, pages: list[int], now: float) -> None:
         """403 unless ``c`` is a capability this decode granted for this very lease and covers ``pages``; 410 if
         its writer was fenced since or it expired. Stateless but for the epochs: a forged or foreign capability
-        never reaches a lease."""
+        never reaches a lease. A decode id is ``address#incarnation`` where the worker names its incarnation: a
+        capability of this address's earlier incarnation is refused as a restart (503), before its MAC (signed
+        with a key that died with that process) could call it a forgery."""
+        if c is not None and c.decode_id != self.decode_id and "#" in self.decode_id \
+                and c.decode_id.partition("#")[0] == self.decode_id.partition("#")[0]:
+            raise GrantedBeforeRestart(f"request {rid}: the lease was granted by {c.decode_id}, "
+                                       f"which has restarted as {self.decode_id}")
         if c is None or not hmac.compare_digest(self._mac(c), c.mac):
             raise Forbidden(f"request {rid}: no valid lease capability")
         if c.rid != rid or c.nonce != nonce or c.decode_id != self.decode_id:

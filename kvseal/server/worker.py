@@ -35,7 +35,9 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         pool = _decode_pool(transport, host, port, mooncake)
         engine, lm, sizing = build_engine(spec, role="decode", storage=pool.create, metrics=metrics)
         target = str(pool.path) if transport == "shm" else pool.target
-        app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, f"{host}:{port}",
+        # the decode id names this incarnation: a capability granted before a restart is told from a forgery
+        incarnation = f"{host}:{port}#{secrets.token_hex(4)}"
+        app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, incarnation,
                                        faults, lease_ttl, http=http,
                                        exposure=pool if transport == "mooncake" else None))
         # uvicorn re-raises SIGTERM after its shutdown, so a ``finally`` after ``run`` never runs: the pool file
