@@ -1,5 +1,7 @@
 """The HTTP API through the official openai client, streaming included, and every bad-input case."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -17,6 +19,18 @@ def test_models_lists_context(client, colocated):
     from kvseal import __version__
 
     assert httpx.get(colocated.url + "/version").json() == {"version": __version__} and __version__[0].isdigit()
+
+
+def test_a_model_is_retrieved_by_id_and_every_miss_is_an_openai_error(client, colocated):
+    assert client.models.retrieve(MODEL).context_length == 8192
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    for method, path, status, code in [("GET", "/v1/nope", 404, "not_found"),
+                                       ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+                                       ("GET", "/health?full=maybe", 400, "invalid_request")]:
+        r = httpx.request(method, colocated.url + path, timeout=30)
+        assert r.status_code == status and r.json()["error"]["code"] == code, (path, r.text)
 
 
 def test_chat_non_streaming(client, colocated):
@@ -66,6 +80,9 @@ def test_completions_with_stop_and_seed(client):
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),  # torch takes 64 bits
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -(2**63) - 1}, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_input_is_400_naming_the_parameter(colocated, body, param):
     r = httpx.post(colocated.url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=30)
@@ -84,6 +101,31 @@ def test_malformed_json_unknown_model_and_huge_max_tokens(colocated):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "8192" in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
     wait_pages_back(colocated)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disagg"])
+def test_input_that_once_broke_a_handler_is_400_and_the_connection_serves_on(mode, request):
+    """Each of these reached code that raised (a seed torch cannot take, text no tokenizer can encode, JSON
+    nested past Python's recursion limit): a plain-text 500, and the server closed the kept-alive connection, so
+    the client's next request was reset; through the router, the prefill worker was counted down and every
+    request for a second after answered 503. Now each is a 400 naming the problem, the connection and the
+    workers serve on, and the edge of the seed range samples as any seed does."""
+    server = request.getfixturevalue(mode)
+    hi = [{"role": "user", "content": "hi"}]
+    bad = [(b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 x"}]}' % MODEL.encode(), "surrogate"),
+           (b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+           (json.dumps({"model": MODEL, "messages": hi, "seed": 2**70}).encode(), "seed")]
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for body, says in bad:
+            r = c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        for seed in (2**63 - 1, -(2**63)):  # the edges: the choices' seeds (seed + index) wrap, as torch's do
+            r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": hi, "seed": seed, "n": 2,
+                                                      "max_tokens": 3, "temperature": 1.0})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": hi, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    wait_pages_back(server)
 
 
 def test_prompt_over_context_is_400_with_numbers(client):

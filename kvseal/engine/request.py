@@ -13,6 +13,15 @@ from dataclasses import dataclass
 from kvseal.transfer.messages import Logprob  # a wire type: it rides in Ack and token events
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a request's seed: a signed 64-bit integer, as vLLM takes it
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of a request's ``choice``-th choice: ``seed + choice``, wrapped into the signed 64-bit range so
+    that it travels in a wire message and seeds a generator whatever seed the client chose."""
+    return (seed + choice - SEED_MIN) % 2**64 + SEED_MIN
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int

@@ -48,7 +48,7 @@ def make_generator(params: SamplingParams, offset: int = 0) -> torch.Generator |
     if params.seed is None:
         g.seed()
     else:
-        g.manual_seed(params.seed + offset)
+        g.manual_seed((params.seed + offset) % 2**64)  # as torch reads a negative seed
     return g
 
 

@@ -19,18 +19,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
 from kvseal import __version__
 from kvseal.engine.grammar import compile_response_format
-from kvseal.engine.request import SamplingParams
+from kvseal.engine.request import SamplingParams, choice_seed
 from kvseal.errors import BadRequest, ContextLengthError, EngineError
 from kvseal.kv.tags import tenant_tag
 from kvseal.server.backend import Backend, GenRequest
@@ -73,13 +76,40 @@ async def unless_gone(request: Request, aw: Awaitable[T], poll: float = 0.25) ->
     return task.result()
 
 
+# a JSON escape of a UTF-16 surrogate; a pair of them decodes to one character, a lone one to no text at all
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate(x: object) -> bool:
+    """Whether a decoded JSON value holds a string no tokenizer can encode (a lone surrogate escape)."""
+    todo = [x]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            todo += v.keys()
+            todo += v.values()
+        elif isinstance(v, list):
+            todo += v
+    return False
+
+
 async def parse(request: Request, model: type[T]) -> T:
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON here: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and lone_surrogate(body):
+        raise BadRequest("request body is not valid Unicode: it holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
     try:
         req = model.model_validate(body)
     except ValidationError as e:
@@ -109,6 +139,23 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         if e.status >= 500:
             log.warning("request failed: tenant=%s status=%s code=%s: %s", tenant, e.status, e.code, e)
         return error_response(e)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:  # logged where it is contained (guard.py)
+        metrics.finished(500, getattr(request.state, "tenant", None))
+        return error_response(EngineError(f"internal error ({type(e).__name__})"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:  # no such route: not a request counted
+        err = BadRequest(str(e.detail), code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code))
+        err.status = e.status_code
+        return JSONResponse({"error": err.to_dict()}, status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _query(request: Request, e: RequestValidationError) -> JSONResponse:  # a bad query parameter
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return await _engine_error(request, BadRequest(f"{param}: {first['msg']}", param=param))
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone) -> Response:
@@ -148,6 +195,14 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
             "id": name, "object": "model", "created": 0, "owned_by": "kvseal", "root": served.root, "parent": None,
             "max_model_len": backend.context_window, "context_length": backend.context_window,
             "kv_pool_tokens": backend.pool_tokens} for name in served.names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str) -> dict:  # the openai client's models.retrieve
+        card = next((m for m in (await models())["data"] if m["id"] == model), None)
+        if card is None:
+            raise ModelNotFound(f"model {model!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, served.names))}", param="model")
+        return card
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -218,7 +273,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
             metrics.prompt_tokens.inc(len(prompt))
             group = secrets.randbits(62) if req.n > 1 else None
             for c in range(req.n):
-                seed = None if req.seed is None else req.seed + c
+                seed = None if req.seed is None else choice_seed(req.seed, c)
                 params = SamplingParams(max_tokens=max_new, seed=seed, **common)
                 rid = group if c == 0 and group is not None else secrets.randbits(62)
                 events = backend.generate(GenRequest(rid, tenant, prompt, params, group))

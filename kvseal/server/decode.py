@@ -395,6 +395,10 @@ def decode_app(svc: DecodeService) -> FastAPI:
     async def _bad(_: Request, e: Exception) -> Response:  # a signed peer sent a malformed message
         return ack_error(BadRequest(f"malformed message: {e}"))
 
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> Response:  # logged where it is contained (guard.py)
+        return ack_error(EngineError(f"internal error ({type(e).__name__})"))
+
     @app.post("/kv/reserve")
     async def reserve(request: Request) -> Response:
         lease = await svc.reserve(P.decode(await request.body(), P.Reserve), peer_of(request))

@@ -9,6 +9,7 @@ body once, checks it, and hands the same bytes to the app. Handlers find the sig
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable
 
 from kvseal.errors import EngineError
@@ -16,6 +17,7 @@ from kvseal.transfer.auth import H_SIG, OPEN, Peer, Verifier
 
 MAX_BODY = 8 << 20  # a Reserve or Prefill carries a prompt (≤ context tokens) and maybe a grammar
 FRONT_MAX_BODY = 16 << 20  # the OpenAI door: a completions batch of long prompts, or a large schema
+log = logging.getLogger("kvseal.guard")
 INSECURE = Peer("*", "insecure")  # auth switched off (tests and the signing-cost benchmark only)
 
 
@@ -57,7 +59,7 @@ class Guard:
         except EngineError as e:
             return await reject(send, e)
         scope.setdefault("state", {})["peer"] = peer
-        return await self.app(scope, replay(bytes(body), receive), send)
+        return await contained(self.app, scope, replay(bytes(body), receive), send)
 
     def authenticate(self, scope: Scope, headers: dict[str, str], body: bytes) -> Peer | None:
         if self.verifier is None:
@@ -68,6 +70,35 @@ class Guard:
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope.get("raw_path", path.encode()).decode("latin-1") + (f"?{query}" if query else "")
         return self.verifier.check(scope["method"], path, target, headers, body)
+
+
+async def contained(app: Callable, scope: Scope, receive: Receive, send: Send) -> None:
+    """Run ``app`` so that a bug in a handler fails its request and nothing else.
+
+    An exception that leaves an ASGI app makes the server close the connection, even after Starlette has
+    answered it with a 500: the client's (or the router's) next request on that kept-alive connection is then
+    reset, and a router counts a reset worker as down. So the bug is logged here; a request not yet answered
+    gets a JSON 500; one answered whole keeps its connection; only a stream broken midway is cut, since a
+    connection closed is all that can tell its client."""
+    started = finished = False
+
+    async def watched(msg: dict) -> None:
+        nonlocal started, finished
+        if msg["type"] == "http.response.start":
+            started = True
+        elif msg["type"] == "http.response.body" and not msg.get("more_body"):
+            finished = True
+        await send(msg)
+
+    try:
+        return await app(scope, receive, watched)
+    except Exception as e:  # noqa: BLE001 - a bug: logged with its traceback, answered 500
+        log.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=e)
+        if not started:
+            return await reject(send, EngineError(f"internal error ({type(e).__name__})"))
+        if finished:
+            return None
+        raise
 
 
 def peer_of(request: object) -> Peer | None:

@@ -114,11 +114,16 @@ class PrefillService:
                                                         cfg.context_window, self.engine.pool.cfg.capacity_tokens, bug))
         if any(isinstance(a, core.Admit) and a.placeholder for a in acts):
             p.prompt = p.prompt[:1]  # the 2026 bug: a 1-token placeholder, committed as if complete
-        params = SamplingParams(**{**p.sampling, "max_tokens": 1})  # prefill samples the first token only
+        try:
+            params = SamplingParams(**{**p.sampling, "max_tokens": 1})  # prefill samples the first token only
+            seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid, nonce), lease=p.lease, group=p.group,
+                           tenant=p.tenant)
+        except (TypeError, ValueError, OverflowError) as e:  # the door checks them: a peer's bug, settled here
+            err = BadRequest(f"malformed sampling parameters: {e}")
+            self.host.on_loop(self.host.feed(lambda: self.core.failed(p.rid, nonce, err)), nonce)
+            raise err from None
         done: asyncio.Future = self.loop.create_future()
         self.pending[p.rid] = (p, done)
-        seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid, nonce), lease=p.lease, group=p.group,
-                       tenant=p.tenant)
 
         def admit() -> None:  # engine thread: a lease forgotten meanwhile never reaches the engine
             if self.host.feed(lambda: self.core.computing(p.rid, nonce)):
@@ -268,6 +273,10 @@ def prefill_app(svc: PrefillService) -> FastAPI:
     @app.exception_handler(msgspec.DecodeError)
     async def _bad(_: Request, e: Exception) -> Response:  # a signed peer sent a malformed message
         return ack_error(BadRequest(f"malformed message: {e}"))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> Response:  # logged where it is contained (guard.py)
+        return ack_error(EngineError(f"internal error ({type(e).__name__})"))
 
     @app.post("/prefill")
     async def prefill(request: Request) -> Response:

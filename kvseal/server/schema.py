@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvseal.engine.request import SEED_MAX, SEED_MIN
 from kvseal.errors import BadRequest
 
 MAX_N = 32  # choices per request (n, or prompts × n in a completions batch)
@@ -66,7 +67,7 @@ class Sampling(Strict):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # vLLM: 0 or -1 = off
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -100,6 +101,8 @@ class Sampling(Strict):
     def unsupported(self) -> None:
         if self.min_tokens and self.max_new is not None and self.min_tokens > self.max_new:
             raise BadRequest("min_tokens must not exceed max_tokens", param="min_tokens")
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
+            raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
 
     def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         pairs = tuple((int(t), b) for t, b in (self.logit_bias or {}).items())

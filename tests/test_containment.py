@@ -1,0 +1,89 @@
+"""A bug met by one request fails that request and nothing else: not the connection, not the worker's health
+in the router's eyes, not the protocol state of other requests (``kvseal.server.guard.contained``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from test_auth import services
+
+from kvseal.errors import BadRequest, EngineError
+from kvseal.server.guard import contained
+from kvseal.transfer import messages as P
+
+
+async def run(app) -> tuple[list[dict], BaseException | None]:
+    sent: list[dict] = []
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    try:
+        await contained(app, {"type": "http", "method": "POST", "path": "/x"}, receive, send)
+    except Exception as e:  # noqa: BLE001 - what the server would see
+        return sent, e
+    return sent, None
+
+
+async def raises_at_once(scope, receive, send):
+    raise ValueError("a bug")
+
+
+async def answers_then_raises(scope, receive, send):  # what Starlette does with an unhandled exception
+    await send({"type": "http.response.start", "status": 500, "headers": []})
+    await send({"type": "http.response.body", "body": b"Internal Server Error"})
+    raise ValueError("a bug")
+
+
+async def breaks_a_stream(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    raise ValueError("a bug")
+
+
+def test_a_bug_before_the_answer_is_a_json_500_and_the_server_sees_no_exception():
+    sent, escaped = asyncio.run(run(raises_at_once))
+    assert escaped is None and sent[0]["status"] == 500
+    err = json.loads(sent[1]["body"])["error"]
+    assert err["code"] == "internal_error" and "ValueError" in err["message"]
+
+
+def test_a_bug_after_a_whole_answer_leaves_the_connection_open():
+    """An exception that reaches uvicorn closes the connection: the next request on it would be reset."""
+    sent, escaped = asyncio.run(run(answers_then_raises))
+    assert escaped is None and [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+
+
+def test_a_stream_broken_midway_is_still_cut():
+    """Its client can learn of the break only from the connection closing."""
+    _, escaped = asyncio.run(run(breaks_a_stream))
+    assert isinstance(escaped, ValueError)
+
+
+def test_sampling_parameters_prefill_cannot_take_end_the_transfer_they_opened():
+    """A router that sends what the door would have refused (a peer's bug: here a parameter no engine knows) must
+    not leave prefill holding the request's transfer open (COMPUTING): a retry of the same Prefill would wait
+    for an answer never coming."""
+    dec, pre = services()
+    lease = P.Lease(rid=7, nonce=77, pages=[0], generations=[1], n_prompt=3, decode_id="d", target="t",
+                    layout=[], cap=None)
+    msg = P.Prefill(rid=7, tenant="t", prompt=[1, 2, 3], max_new=2, sampling={"temperature": 1.0, "beam": 4},
+                    lease=lease, decode_url="http://d")
+
+    async def go() -> None:
+        with pytest.raises(BadRequest, match="malformed sampling"):
+            await asyncio.wait_for(pre.prefill(msg), 5)
+        with pytest.raises(EngineError, match="withdrawn, or already written"):  # the copy: refused, not parked
+            await asyncio.wait_for(pre.prefill(msg), 5)
+
+    try:
+        asyncio.run(go())
+        assert pre.core.transfers == {} and pre.pending == {}
+    finally:
+        dec.engine.stop()
+        pre.engine.stop()
