@@ -87,3 +87,40 @@ def test_sampling_parameters_prefill_cannot_take_end_the_transfer_they_opened():
     finally:
         dec.engine.stop()
         pre.engine.stop()
+
+
+class Broken:
+    """A choice whose event stream breaks with a bug after its first piece."""
+
+    tenant = None
+
+    class metrics:  # noqa: N801 - stands in for an instance
+        finished = staticmethod(lambda status, tenant: None)
+
+    async def next(self):
+        raise ValueError("a bug")
+
+    async def close(self) -> None:
+        pass
+
+
+class Chunks:
+    ident = "cmpl-test"
+
+    def chunk(self, choices: list, usage: dict | None = None) -> bytes:
+        return f"data: {json.dumps(choices)}\n\n".encode()
+
+    def choice(self, r, text: str, lps, delta: bool, first: bool = False, finish=None) -> dict:
+        return {"text": text}
+
+
+def test_a_stream_whose_choice_meets_a_bug_says_so_and_ends():
+    """Before, the choice's pump died with the bug unreported and the stream waited for it for ever."""
+    from kvseal.server.reply import Piece, sse
+
+    async def drain() -> list[bytes]:
+        return [c async for c in sse([Broken()], [Piece("Hi")], Chunks(), False, False)]
+
+    out = asyncio.run(asyncio.wait_for(drain(), 5))
+    assert out[-1] == b"data: [DONE]\n\n"
+    assert json.loads(out[-2].removeprefix(b"data: "))["error"]["code"] == "internal_error"

@@ -188,6 +188,9 @@ async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_lo
                 await q.put((r, pc))
         except EngineError as e:
             await q.put((r, e))
+        except Exception as e:  # noqa: BLE001 - a bug: the stream says so and ends; it must not wait for ever
+            log.error("unhandled error in a stream of %s", fmt.ident, exc_info=e)
+            await q.put((r, EngineError(f"internal error ({type(e).__name__})")))
         await q.put((r, None))
 
     def lp(pc: Piece) -> tuple[Logprob, ...] | None:
