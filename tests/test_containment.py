@@ -124,3 +124,40 @@ def test_a_stream_whose_choice_meets_a_bug_says_so_and_ends():
     out = asyncio.run(asyncio.wait_for(drain(), 5))
     assert out[-1] == b"data: [DONE]\n\n"
     assert json.loads(out[-2].removeprefix(b"data: "))["error"]["code"] == "internal_error"
+
+
+def test_a_router_step_that_meets_a_bug_answers_as_an_unanswered_worker():
+    """Each step's answer is what moves the request's machine on: a step that died without one left the
+    request waiting for its first token for ever. A bug is answered as a silent worker (what it did is unknown:
+    the machine's way for that frees nothing a write may still reach); a forget is answered unconfirmed."""
+    from kvseal.engine.request import SamplingParams
+    from kvseal.errors import Unanswered
+    from kvseal.faults import Faults
+    from kvseal.server.backend import GenRequest
+    from kvseal.server.router import Flight, HttpPorts
+
+    class Backend:
+        subscriber, queue_timeout, faults = "s", 1.0, Faults()
+
+        async def _post(self, *a, **kw):
+            raise ValueError("a bug")
+
+        async def _forget(self, *a, **kw):
+            raise ValueError("a bug")
+
+        def _spawn(self, coro):
+            return asyncio.ensure_future(coro)
+
+    f = Flight(None, type("W", (), {"url": "http://d"})(), type("W", (), {"url": "http://p"})(),
+               GenRequest(1, "t", [1, 2], SamplingParams(max_tokens=2)))
+    lease = P.Lease(rid=1, nonce=2, pages=[0], generations=[1], n_prompt=2, decode_id="d", target="t", layout=[])
+    ports, got = HttpPorts(Backend()), []
+
+    async def go() -> None:
+        await ports._reserve(f, got.append)
+        await ports._prefill(f, lease, got.append)
+        ports.forget(f, 1, 2, got.append)
+        await f.step
+
+    asyncio.run(go())
+    assert [type(g) for g in got[:2]] == [Unanswered, Unanswered] and got[2] is False

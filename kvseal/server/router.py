@@ -15,6 +15,7 @@ request's actions through this module's ports (``HttpPorts``), the same host the
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -33,6 +34,8 @@ from kvseal.protocol.router_host import RouterHost
 from kvseal.server.backend import GenRequest
 from kvseal.server.mux import TokenMux
 from kvseal.transfer import messages as P
+
+log = logging.getLogger("kvseal.router")
 
 SIGNED_ONLY = ("machine", "incarnation")  # worker /health fields a signed caller sees and the router's open one not
 
@@ -89,6 +92,13 @@ class Flight:
     step: asyncio.Task | None = None
 
 
+def bug(e: Exception, step: str) -> Unanswered:
+    """A bug met while a worker was being asked: logged, and answered as a worker that did not answer, since
+    what it did is unknown (the machine's way for that never frees a page a write may still reach)."""
+    log.error("unhandled error in the router's %s step", step, exc_info=e)
+    return Unanswered(f"internal error ({type(e).__name__}) in the router's {step} step")
+
+
 class HttpPorts:
     """``RouterPorts`` over httpx: each step an asyncio task that answers the host when the worker does."""
 
@@ -113,6 +123,9 @@ class HttpPorts:
         except msgspec.MsgspecError as e:  # a malformed answer: whatever decode did, its TTL ends it
             answer(Unanswered(f"decode answered a malformed lease: {e}"))
             return
+        except Exception as e:  # noqa: BLE001 - a bug: the request must still end; decode's TTL ends the lease
+            answer(bug(e, "reserve"))
+            return
         self.b.faults.crash("crash_after_reserve")
         answer(lease)
 
@@ -131,11 +144,19 @@ class HttpPorts:
         except msgspec.MsgspecError as e:  # what prefill did is unknown: the Forget path finds out
             answer(Unanswered(f"prefill answered a malformed ack: {e}"))
             return
+        except Exception as e:  # noqa: BLE001 - a bug: as unknown as an unanswered prefill, the same path
+            answer(bug(e, "prefill"))
+            return
         answer(ack)
 
     def forget(self, f: Flight, rid: int, nonce: int, answer: Callable[[bool], None]) -> None:
         async def run() -> None:
-            answer(await self.b._forget(f.p, rid, nonce))
+            try:
+                sure = await self.b._forget(f.p, rid, nonce)
+            except Exception as e:  # noqa: BLE001 - a bug: not confirmed, so the lease is never freed early
+                bug(e, "forget")
+                sure = False
+            answer(sure)
         self._step(f, run())
 
     def abort(self, f: Flight, rid: int, nonce: int, writer_done: bool) -> None:
