@@ -161,3 +161,31 @@ def test_a_router_step_that_meets_a_bug_answers_as_an_unanswered_worker():
 
     asyncio.run(go())
     assert [type(g) for g in got[:2]] == [Unanswered, Unanswered] and got[2] is False
+
+
+def test_a_body_trickled_in_past_the_limit_is_a_408_and_frees_its_buffer():
+    """Without a deadline, a client sending a body a byte at a time (or not at all after its first bytes) held
+    the connection and a buffer of up to the size limit for as long as it liked: enough of them fill memory."""
+    from kvseal.server.guard import Guard
+
+    reached = []
+
+    async def app(scope, receive, send):  # never reached
+        reached.append(scope)
+
+    async def trickle() -> dict:
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": b'{"model"', "more_body": True}
+        await asyncio.sleep(3600)
+
+    sent: list = []
+    out: list[dict] = []
+
+    async def send(msg: dict) -> None:
+        out.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-length", b"100")]}
+    asyncio.run(asyncio.wait_for(Guard(app, None, body_timeout=0.2)(scope, trickle, send), 5))
+    assert out[0]["status"] == 408 and not reached
+    assert json.loads(out[1]["body"])["error"]["code"] == "request_timeout"

@@ -8,6 +8,7 @@ body once, checks it, and hands the same bytes to the app. Handlers find the sig
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -21,9 +22,19 @@ log = logging.getLogger("kvseal.guard")
 INSECURE = Peer("*", "insecure")  # auth switched off (tests and the signing-cost benchmark only)
 
 
+BODY_TIMEOUT = 30.0  # for a request's body to arrive whole: one trickled in holds its buffer (up to the size
+# limit) and its connection for as long as its sender likes otherwise
+
+
 class PayloadTooLarge(EngineError):
     status = 413
     code = "payload_too_large"
+
+
+class RequestTimeout(EngineError):
+    status = 408
+    code = "request_timeout"
+    type = "invalid_request_error"
 
 
 Scope = dict
@@ -34,8 +45,9 @@ Send = Callable[[dict], Awaitable[None]]
 class Guard:
     """``verifier=None``: the size limit only (the OpenAI front door, whose callers hold API keys instead)."""
 
-    def __init__(self, app: Callable, verifier: Verifier | None, max_body: int = MAX_BODY) -> None:
-        self.app, self.verifier, self.max_body = app, verifier, max_body
+    def __init__(self, app: Callable, verifier: Verifier | None, max_body: int = MAX_BODY,
+                 body_timeout: float = BODY_TIMEOUT) -> None:
+        self.app, self.verifier, self.max_body, self.body_timeout = app, verifier, max_body, body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -45,15 +57,20 @@ class Guard:
         if length.isdigit() and int(length) > self.max_body:
             return await reject(send, PayloadTooLarge(f"body over {self.max_body} bytes"))
         body = bytearray()
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return None
-            body += msg.get("body", b"")
-            if len(body) > self.max_body:
-                return await reject(send, PayloadTooLarge(f"body over {self.max_body} bytes"))
-            if not msg.get("more_body"):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return None
+                    body += msg.get("body", b"")
+                    if len(body) > self.max_body:
+                        return await reject(send, PayloadTooLarge(f"body over {self.max_body} bytes"))
+                    if not msg.get("more_body"):
+                        break
+        except TimeoutError:
+            late = RequestTimeout(f"the request body was not whole within {self.body_timeout:g} s")
+            return await reject(send, late)
         try:
             peer = self.authenticate(scope, headers, bytes(body))
         except EngineError as e:
