@@ -169,3 +169,12 @@ def test_serve_names_its_workers_by_urls_that_parse_for_ipv6_hosts_too():
 
     assert httpx.URL(url("::1", 8001)).port == 8001 and httpx.URL(url("::1", 8001)).host == "::1"
     assert url("127.0.0.1", 8002) == "http://127.0.0.1:8002"
+
+
+def test_input_that_once_broke_a_prefill_worker_is_400_and_every_worker_serves_on(disagg):
+    """A seed past 64 bits reached the prefill worker and raised there: a 500, the worker's connection closed,
+    the router's next request on it reset, the worker counted down, and every request for a second after
+    answered 503 "no healthy prefill worker". Now the door refuses it, and a request after it is served."""
+    from test_api import inputs_that_once_broke_a_handler
+
+    inputs_that_once_broke_a_handler(disagg)
