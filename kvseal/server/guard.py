@@ -18,12 +18,10 @@ from kvseal.transfer.auth import H_SIG, OPEN, Peer, Verifier
 
 MAX_BODY = 8 << 20  # a Reserve or Prefill carries a prompt (≤ context tokens) and maybe a grammar
 FRONT_MAX_BODY = 16 << 20  # the OpenAI door: a completions batch of long prompts, or a large schema
-log = logging.getLogger("kvseal.guard")
-INSECURE = Peer("*", "insecure")  # auth switched off (tests and the signing-cost benchmark only)
-
-
 BODY_TIMEOUT = 30.0  # for a request's body to arrive whole: one trickled in holds its buffer (up to the size
 # limit) and its connection for as long as its sender likes otherwise
+INSECURE = Peer("*", "insecure")  # auth switched off (tests and the signing-cost benchmark only)
+log = logging.getLogger("kvseal.guard")
 
 
 class PayloadTooLarge(EngineError):
