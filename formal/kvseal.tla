@@ -3,11 +3,13 @@
 (* machine of kvseal/protocol/, over a network that loses and reorders messages, with a prefill worker that      *)
 (* crashes, is fenced (rightly or wrongly), and clients that leave. Checked by TLC (tests/test_protocol_models). *)
 (*                                                                                                              *)
-(* A lease is <<request, attempt>>: request RETRY is sent a second time under the same id once its first try    *)
-(* ended (request ids are not unique over time). Each lease needs one decode page; there are fewer pages than   *)
-(* requests. Request OVER fits decode's pool but never prefill's. Page bytes are abstracted to "which lease's    *)
-(* bytes, whole or not", so a read of foreign bytes is a comparison. Tenants: request r is tenant r % 2; pages   *)
-(* are tagged with their owner, so the tag check compares owners.                                              *)
+(* A lease is a request's attempt: request RETRY is sent a second time under the same id once its first try     *)
+(* ended (request ids are not unique over time). Leases are numbers (Req(l) is lease l's request), not pairs,   *)
+(* and only the attempts that can happen exist: the same states as pairs, a seventh less of TLC's time. Each    *)
+(* lease needs one decode page; there are fewer pages than requests. Request OVER fits decode's pool but never  *)
+(* prefill's. Page bytes are abstracted to "which lease's bytes, whole or not", so a read of foreign bytes is a *)
+(* comparison. Tenants: request r is tenant r % 2; pages are tagged with their owner, so the tag check compares *)
+(* owners.                                                                                                      *)
 (*                                                                                                              *)
 (* Variant names a known-bad variant (kvseal.protocol.machine.Variants) or "safe".                             *)
 EXTENDS Naturals, FiniteSets
@@ -15,7 +17,10 @@ EXTENDS Naturals, FiniteSets
 CONSTANTS NR, NP, OVER, RETRY, MaxFaults, Variant
 
 Reqs == 0..NR-1
-Leases == {<<r, a>> : r \in Reqs, a \in 0..1}
+\* lease l < NR is request l's first try; lease NR, when RETRY is a request, is RETRY's second
+Leases == 0..(IF RETRY < NR THEN NR ELSE NR - 1)
+Req(l) == IF l < NR THEN l ELSE RETRY
+Lease(r, a) == IF a = 0 THEN r ELSE NR
 Pages == 0..NP-1
 NONE == <<>>
 NOBODY == 99  \* the owner of a free page
@@ -29,7 +34,7 @@ LeaseStates == {"-", "RESERVED", "VERIFYING", "RUNNING", "QUARANTINED", "CLOSED"
 WriteStates == {"-", "COMPUTING", "WRITING", "COMMITTING", "CLOSED"}
 RequestStates == {"-", "RESERVING", "TRANSFERRING", "FORGETTING", "STREAMING", "CLOSED"}
 
-Nonce(l) == IF Variant = "lease_reuse" THEN l[1] ELSE 100 + 2 * l[1] + l[2]
+Nonce(l) == IF Variant = "lease_reuse" THEN Req(l) ELSE 100 + l
 
 VARIABLES dl, dpg, lgen, capep, expired,   \* decode: lease state, page, generation, capability epoch, TTL passed
           pst, pown, pgen, pdat,            \* decode pool: page state, owner, generation, whose bytes
@@ -57,10 +62,10 @@ Init ==
 Send(m) == net' = net \cup {m}
 Recv(m) == net' = net \ {m}
 Msg(t, l, x) == [t |-> t, l |-> l, x |-> x]
-Cur(r) == <<r, att[r]>>
+Cur(r) == Lease(r, att[r])
 Open(l) == dl[l] \in {"RESERVED", "VERIFYING", "QUARANTINED", "RUNNING"}
 \* decode finds a lease by request id, then compares nonces (kvseal/protocol/decode.py)
-DecodeLease(l) == {k \in Leases : k[1] = l[1] /\ Open(k) /\ Nonce(k) = Nonce(l)}
+DecodeLease(l) == {k \in Leases : Req(k) = Req(l) /\ Open(k) /\ Nonce(k) = Nonce(l)}
 FreePage(p) == /\ pst' = [pst EXCEPT ![p] = "FREE"] /\ pown' = [pown EXCEPT ![p] = NOBODY]
                /\ pgen' = [pgen EXCEPT ![p] = IF Variant = "lease_reuse" THEN @ ELSE @ + 1]
 End(l, s) == outcome' = [outcome EXCEPT ![l] = IF @ = "open" THEN s ELSE @]
@@ -78,18 +83,18 @@ Submit(r) ==
     /\ rq[r] = "-" \/ (rq[r] = "CLOSED" /\ r = RETRY /\ att[r] = 0 /\ outcome[Cur(r)] \in {"503", "gone"})
     /\ att' = [att EXCEPT ![r] = IF rq[r] = "CLOSED" THEN 1 ELSE 0]
     /\ rq' = [rq EXCEPT ![r] = "RESERVING"]
-    /\ net' = net \cup {Msg("Reserve", <<r, IF rq[r] = "CLOSED" THEN 1 ELSE 0>>, "-")}
+    /\ net' = net \cup {Msg("Reserve", Lease(r, IF rq[r] = "CLOSED" THEN 1 ELSE 0), "-")}
     /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, gone, outcome, corrupt, faults, Flags>>)
 
 \* RESERVING --lease--> TRANSFERRING (client there) | CLOSED (client left: SendAbort writer done)
 \* RESERVING --reserve_failed--> CLOSED
 RouterLease(m) ==
-    /\ m.t = "Lease" /\ m \in net /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "RESERVING"
+    /\ m.t = "Lease" /\ m \in net /\ m.l = Cur(Req(m.l)) /\ rq[Req(m.l)] = "RESERVING"
     /\ IF m.x = "ok"
        THEN IF gone[m.l]
-            THEN rq' = [rq EXCEPT ![m.l[1]] = "CLOSED"] /\ net' = (net \ {m}) \cup {Msg("Abort", m.l, "wd")}
-            ELSE rq' = [rq EXCEPT ![m.l[1]] = "TRANSFERRING"] /\ net' = (net \ {m}) \cup {Msg("Prefill", m.l, "-")}
-       ELSE rq' = [rq EXCEPT ![m.l[1]] = "CLOSED"] /\ Recv(m)
+            THEN rq' = [rq EXCEPT ![Req(m.l)] = "CLOSED"] /\ net' = (net \ {m}) \cup {Msg("Abort", m.l, "wd")}
+            ELSE rq' = [rq EXCEPT ![Req(m.l)] = "TRANSFERRING"] /\ net' = (net \ {m}) \cup {Msg("Prefill", m.l, "-")}
+       ELSE rq' = [rq EXCEPT ![Req(m.l)] = "CLOSED"] /\ Recv(m)
     /\ outcome' = [outcome EXCEPT ![m.l] = IF @ = "open" THEN (IF m.x = "ok" THEN @ ELSE m.x) ELSE @]
     /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, att, gone, corrupt, faults, Flags>>)
 
@@ -102,11 +107,11 @@ ReserveTimeout(r) ==
 \* TRANSFERRING --acked--> STREAMING | CLOSED (client left: SendAbort writer done)
 \* TRANSFERRING --refused--> CLOSED (SendAbort writer done, Fail)
 RouterAnswer(m) ==
-    /\ m.t = "Ack" /\ m \in net /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "TRANSFERRING"
+    /\ m.t = "Ack" /\ m \in net /\ m.l = Cur(Req(m.l)) /\ rq[Req(m.l)] = "TRANSFERRING"
     /\ m.x \in {"200", "400", "500", "503"}
     /\ IF m.x = "200" /\ ~gone[m.l]
-       THEN rq' = [rq EXCEPT ![m.l[1]] = "STREAMING"] /\ Recv(m) /\ UNCHANGED outcome
-       ELSE /\ rq' = [rq EXCEPT ![m.l[1]] = "CLOSED"]
+       THEN rq' = [rq EXCEPT ![Req(m.l)] = "STREAMING"] /\ Recv(m) /\ UNCHANGED outcome
+       ELSE /\ rq' = [rq EXCEPT ![Req(m.l)] = "CLOSED"]
             /\ net' = (net \ {m}) \cup {Msg("Abort", m.l, "wd")}
             /\ End(m.l, m.x)
     /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, att, gone, corrupt, faults, Flags>>)
@@ -132,8 +137,8 @@ RouterForgotten(r) ==
 
 \* STREAMING --final--> CLOSED
 RouterFinal(m) ==
-    /\ m.t = "Ack" /\ m \in net /\ m.x = "final" /\ m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "STREAMING"
-    /\ rq' = [rq EXCEPT ![m.l[1]] = "CLOSED"] /\ Recv(m) /\ End(m.l, "200")
+    /\ m.t = "Ack" /\ m \in net /\ m.x = "final" /\ m.l = Cur(Req(m.l)) /\ rq[Req(m.l)] = "STREAMING"
+    /\ rq' = [rq EXCEPT ![Req(m.l)] = "CLOSED"] /\ Recv(m) /\ End(m.l, "200")
     /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, att, gone, corrupt, faults, Flags>>)
 
 \* STREAMING --left--> CLOSED: the stream's silence limit, once its last event can no longer come (503)
@@ -158,10 +163,10 @@ Leave(r) ==
 \* - --reserve--> RESERVED (one open lease per request id; a page, or 503)
 Reserve(m) ==
     /\ m.t = "Reserve" /\ m \in net
-    /\ IF (\E p \in Pages : pst[p] = "FREE") /\ ~\E k \in Leases : k[1] = m.l[1] /\ Open(k)
+    /\ IF (\E p \in Pages : pst[p] = "FREE") /\ ~\E k \in Leases : Req(k) = Req(m.l) /\ Open(k)
        THEN \E p \in Pages :
             /\ pst[p] = "FREE"
-            /\ pst' = [pst EXCEPT ![p] = "RESERVED"] /\ pown' = [pown EXCEPT ![p] = m.l[1]]
+            /\ pst' = [pst EXCEPT ![p] = "RESERVED"] /\ pown' = [pown EXCEPT ![p] = Req(m.l)]
             /\ dl' = [dl EXCEPT ![m.l] = "RESERVED"] /\ dpg' = [dpg EXCEPT ![m.l] = p]
             /\ lgen' = [lgen EXCEPT ![m.l] = pgen[p]] /\ capep' = [capep EXCEPT ![m.l] = epoch]
             /\ net' = (net \ {m}) \cup {Msg("Lease", m.l, "ok")}
@@ -198,11 +203,11 @@ Commit(m) ==
 Verified(m) ==
     /\ m.t = "Commit" /\ m \in net /\ m.x = "verify"
     /\ LET l == m.l
-           ks == {k \in Leases : k[1] = l[1] /\ dl[k] \in {"VERIFYING", "QUARANTINED"} /\ Nonce(k) = Nonce(l)}
+           ks == {k \in Leases : Req(k) = Req(l) /\ dl[k] \in {"VERIFYING", "QUARANTINED"} /\ Nonce(k) = Nonce(l)}
        IN IF ks = {} THEN net' = (net \ {m}) \cup {Msg("Ack", l, "d503")} /\ UNCHANGED <<dl, PoolVars, leak>>
           ELSE LET k == CHOOSE k \in ks : TRUE
                    p == dpg[k]
-                   tags == pst[p] = "RESERVED" /\ pown[p] = k[1] /\ pgen[p] = lgen[k]
+                   tags == pst[p] = "RESERVED" /\ pown[p] = Req(k) /\ pgen[p] = lgen[k]
                    sum == pdat[p] # NONE /\ pdat[p][1] = l
                IN IF dl[k] = "QUARANTINED" THEN net' = (net \ {m}) \cup {Msg("Ack", l, "d503")}
                                               /\ UNCHANGED <<dl, PoolVars, leak>>
@@ -210,7 +215,7 @@ Verified(m) ==
                   THEN /\ dl' = [dl EXCEPT ![k] = "RUNNING"] /\ pst' = [pst EXCEPT ![p] = "OWNED"]
                        /\ net' = (net \ {m}) \cup {Msg("Ack", l, "d200")}
                        \* the read: the page must hold this lease's whole prompt, under this lease
-                       /\ leak' = (leak \/ pdat[p] # <<k, TRUE>> \/ k[1] = OVER)
+                       /\ leak' = (leak \/ pdat[p] # <<k, TRUE>> \/ Req(k) = OVER)
                        /\ UNCHANGED <<pown, pgen, pdat>>
                   ELSE /\ dl' = [dl EXCEPT ![k] = "QUARANTINED"] /\ pst' = [pst EXCEPT ![p] = "QUARANTINED"]
                        /\ net' = (net \ {m}) \cup {Msg("Ack", l, "d500")}
@@ -300,7 +305,7 @@ Prefill(m) ==
     /\ IF xs[m.l] \in {"COMPUTING", "WRITING", "COMMITTING"} THEN Recv(m) /\ UNCHANGED <<xs, xfull, corrupt, faults>>
        ELSE IF Nonce(m.l) \in forgotten \/ xs[m.l] # "-"
        THEN net' = (net \ {m}) \cup {Msg("Ack", m.l, "503")} /\ UNCHANGED <<xs, xfull, corrupt, faults>>
-       ELSE IF m.l[1] = OVER
+       ELSE IF Req(m.l) = OVER
             THEN \/ /\ Variant = "placeholder" \/ faults < MaxFaults  \* the 2026 placeholder (bug or fault)
                     /\ faults' = IF Variant = "placeholder" THEN faults ELSE faults + 1
                     /\ corrupt' = [corrupt EXCEPT ![m.l] = Variant # "placeholder"]
@@ -323,7 +328,7 @@ Write(l) ==
     /\ LET p == dpg[l] IN
        IF capep[l] = epoch
        THEN /\ pdat' = [pdat EXCEPT ![p] = <<l, xfull[l]>>]
-            /\ badwrite' = (badwrite \/ ~(pown[p] = l[1] /\ pgen[p] = lgen[l]
+            /\ badwrite' = (badwrite \/ ~(pown[p] = Req(l) /\ pgen[p] = lgen[l]
                                           /\ pst[p] \in {"RESERVED", "QUARANTINED"}))
             /\ xs' = [xs EXCEPT ![l] = "COMMITTING"] /\ Send(Msg("Commit", l, "commit"))
             /\ UNCHANGED forgotten
@@ -378,7 +383,7 @@ Restart == ~pup /\ pup' = TRUE
 DeadLetter(m) == /\ m \in net
                  /\ \/ ~pup /\ m.t \in {"Prefill", "Forget"} /\ m.x \in {"-", "router", "decode"}
                     \/ m.t = "Ack" /\ m.x \in {"d200", "d500", "d503"} /\ xs[m.l] # "COMMITTING"
-                    \/ m.t = "Ack" /\ m.x = "final" /\ ~(m.l = Cur(m.l[1]) /\ rq[m.l[1]] = "STREAMING")
+                    \/ m.t = "Ack" /\ m.x = "final" /\ ~(m.l = Cur(Req(m.l)) /\ rq[Req(m.l)] = "STREAMING")
                  /\ Recv(m) /\ Unchanged(<<DecVars, PoolVars, epoch, PreVars, RtrVars, faults, Flags>>)
 
 (* ---------------------------------------- network --------------------------------------------------------- *)
@@ -428,13 +433,13 @@ NoForeignRead == ~leak              \* no request reads a page not written for i
 NoReusedPageWritten == ~badwrite    \* no write lands in a page that is no longer its lease's
 NoExpiredServed == ~stale           \* no lease is served after its capability expired
 RightStatus == \A l \in Leases :
-    /\ outcome[l] = "400" => l[1] = OVER
+    /\ outcome[l] = "400" => Req(l) = OVER
     /\ outcome[l] = "500" => corrupt[l]
-    /\ outcome[l] = "200" => l[1] # OVER
+    /\ outcome[l] = "200" => Req(l) # OVER
 Conserved == \A p \in Pages :
     /\ (pst[p] = "FREE") <=> (pown[p] = NOBODY)
     /\ pst[p] # "FREE" => \E l \in Leases : dl[l] \in {"RESERVED", "VERIFYING", "RUNNING", "QUARANTINED"}
-                                           /\ dpg[l] = p /\ l[1] = pown[p]
+                                           /\ dpg[l] = p /\ Req(l) = pown[p]
 TypeOK == /\ dl \in [Leases -> LeaseStates] /\ xs \in [Leases -> WriteStates] /\ rq \in [Reqs -> RequestStates]
           /\ \A m \in net : m.t \in MsgTypes
 Safety == TypeOK /\ NoForeignRead /\ NoReusedPageWritten /\ NoExpiredServed /\ RightStatus /\ Conserved
