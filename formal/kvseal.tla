@@ -402,10 +402,17 @@ Redeliver(m) == /\ m \in late /\ m \notin net /\ net' = net \cup {m} /\ late' = 
 
 \* Every action's first conjuncts are its cheapest guards (a message's type before its membership in net, the
 \* fault budget first): TLC evaluates a conjunction left to right, and the order alone took its exhaustive run
-\* from 249 to 204 CPU-s, the same states.
-Deliver(m) == RouterLease(m) \/ RouterAnswer(m) \/ RouterFinal(m) \/ Reserve(m) \/ Commit(m) \/ Verified(m)
-              \/ Abort(m) \/ WriterDone(m) \/ ForgetAnswer(m) \/ Prefill(m) \/ Acked(m) \/ PrefillForget(m)
-              \/ DeadLetter(m)
+\* from 249 to 204 CPU-s, the same states. A message goes only to the steps that take its type (CASE): a tenth
+\* less again.
+Deliver(m) == CASE m.t = "Ack" -> RouterAnswer(m) \/ RouterFinal(m) \/ Acked(m) \/ DeadLetter(m)
+                [] m.t = "Commit" -> Commit(m) \/ Verified(m)
+                [] m.t = "Abort" -> Abort(m)
+                [] m.t = "Forget" -> ForgetAnswer(m) \/ PrefillForget(m) \/ DeadLetter(m)
+                [] m.t = "Prefill" -> Prefill(m) \/ DeadLetter(m)
+                [] m.t = "Reserve" -> Reserve(m)
+                [] m.t = "Lease" -> RouterLease(m)
+                [] m.t = "WriterDone" -> WriterDone(m)
+
 Work ==
     \/ \E r \in Reqs : Submit(r) \/ ReserveTimeout(r) \/ RouterTimeout(r) \/ RouterForgotten(r) \/ RouterSilence(r)
     \/ \E m \in net : Deliver(m)
