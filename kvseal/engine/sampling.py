@@ -101,8 +101,13 @@ def process(row: torch.Tensor, r: Row) -> torch.Tensor:
     return row
 
 
+# The floor of a reported logprob, as OpenAI and vLLM report it: a token a grammar, min_tokens or a -inf bias
+# rules out has logprob -inf, which JSON cannot carry (Python writes "-Infinity", msgspec writes null).
+LOGPROB_FLOOR = -9999.0
+
+
 def logprob(row: torch.Tensor, tok: int, k: int) -> Logprob:
-    lp = torch.log_softmax(row, dim=-1)
+    lp = torch.log_softmax(row, dim=-1).clamp_(min=LOGPROB_FLOOR)
     top: list[tuple[int, float]] = []
     if k:
         v, i = lp.topk(k)

@@ -136,7 +136,7 @@ class Formatter:
         body = {"id": self.ident, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n".encode()
+        return f"data: {json.dumps(body, allow_nan=False)}\n\n".encode()  # strict JSON, as JSONResponse writes
 
     def body(self, replies: list[Reply], texts: list[str], lps: list[tuple[Logprob, ...] | None]) -> dict:
         obj = "chat.completion" if self.chat else "text_completion"
