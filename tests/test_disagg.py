@@ -178,3 +178,30 @@ def test_input_that_once_broke_a_prefill_worker_is_400_and_every_worker_serves_o
     from test_api import inputs_that_once_broke_a_handler
 
     inputs_that_once_broke_a_handler(disagg)
+
+
+def test_every_server_keeps_an_idle_connection_longer_than_its_clients_do(disagg):
+    """uvicorn closes an idle connection after 5 s unless told otherwise, and httpx (the router's transport, and
+    the openai client's) reuses one for 5 s: a request sent on a connection as its server closes it is reset.
+    Under mixed load one in ~600 requests got 503 "prefill worker unreachable: ReadError", and the router took
+    the prefill worker for dead. The front door and each worker must still answer on a connection idle past
+    5 s, and kvseal's own clients drop an idle connection well before a kvseal server would."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from kvseal.server import listen
+
+    assert listen.client_limits().keepalive_expiry < listen.SERVER_KEEP_ALIVE / 2
+    urls = [disagg.url] + [p["url"] for p in disagg.health()["pools"]]
+    conns = []
+    for u in urls:
+        c = http.client.HTTPConnection(urlsplit(u).hostname, urlsplit(u).port, timeout=10)
+        c.request("GET", "/health")
+        assert c.getresponse().read() and c.sock is not None
+        conns.append((u, c, c.sock))
+    time.sleep(6)
+    for u, c, sock in conns:
+        c.request("GET", "/health")  # raises (the server closed it) or answers on the same connection
+        r = c.getresponse()
+        assert r.status == 200 and r.read() and c.sock is sock, u
+        c.close()

@@ -39,6 +39,7 @@ from kvseal.kv.pool import PageRun, PageState
 from kvseal.protocol import decode as core
 from kvseal.protocol.decode import DecodeCore, LeaseRevoked, WriterFenced  # noqa: F401 - re-exported
 from kvseal.protocol.decode_host import ENGINE_SIDE, DecodeHost, Held
+from kvseal.server import listen
 from kvseal.server.backend import StepBatcher, pool_health
 from kvseal.server.dashboard import pool_snapshot
 from kvseal.server.guard import INSECURE, peer_of
@@ -194,7 +195,7 @@ class DecodeService:
         self.waiting_reserves = 0
         self._expiry: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.client = httpx.AsyncClient(timeout=5.0, **(http or {}))
+        self.client = httpx.AsyncClient(timeout=5.0, limits=listen.client_limits(), **(http or {}))
         self.max_streams = max_streams
         self.exposure = exposure  # Mooncake: only open leases' pages are registered (kvseal.transfer.mooncake)
 

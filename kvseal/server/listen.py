@@ -13,7 +13,22 @@ from __future__ import annotations
 import errno
 import socket
 
+import httpx
 import uvicorn
+
+# Keep-alive, on both sides of every hop. uvicorn closes an idle connection after 5 s by default, and httpx (the
+# router's transport, and the openai client's) reuses one for 5 s: a server that closes a connection as its
+# client reuses it resets that request (ReadError), and the router took a worker that did so for dead. So every
+# kvseal server keeps an idle connection longer than its clients keep one: longer than httpx's 5 s, a common
+# load balancer's 60 s, and the CLIENT_KEEP_ALIVE of kvseal's own clients.
+SERVER_KEEP_ALIVE = 75
+CLIENT_KEEP_ALIVE = 10.0
+
+
+def client_limits(max_connections: int = 100, max_keepalive: int = 20) -> httpx.Limits:
+    """A kvseal client's connection pool (by default httpx's, but for the keep-alive)."""
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive,
+                        keepalive_expiry=CLIENT_KEEP_ALIVE)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -49,6 +64,7 @@ def url(host: str, port: int, scheme: str = "http") -> str:
 def run(app: object, host: str, port: int, bound: int | socket.socket | None = None, **kw: object) -> None:
     """uvicorn on (host, port), or on a socket bound already: this process's own, or the descriptor of the one
     ``kvseal serve`` bound for it (``--listen-fd``)."""
+    kw.setdefault("timeout_keep_alive", SERVER_KEEP_ALIVE)
     if bound is None:
         uvicorn.run(app, host=host, port=port, **kw)
         return

@@ -29,6 +29,7 @@ from kvseal.faults import Faults
 from kvseal.protocol import prefill as core
 from kvseal.protocol.prefill import LeaseExpired, PrefillCore  # noqa: F401 - re-exported
 from kvseal.protocol.prefill_host import PrefillHost
+from kvseal.server import listen
 from kvseal.server.backend import pool_health
 from kvseal.server.dashboard import pool_snapshot
 from kvseal.server.decode import ack_error
@@ -84,7 +85,7 @@ class PrefillService:
         self.core = PrefillCore(prot.admission, prot.deferred_release)
         self.host = PrefillHost(self.core, EnginePorts(self))
         self.lock = self.host.lock
-        self.client = httpx.AsyncClient(timeout=30, **(http or {}))
+        self.client = httpx.AsyncClient(timeout=30, limits=listen.client_limits(), **(http or {}))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pending: dict[int, tuple[P.Prefill, asyncio.Future]] = {}
         self.commits: dict[int, tuple] = {}  # rid → the commit prepared on the engine thread, for send_commit

@@ -31,6 +31,7 @@ from kvseal.faults import Faults
 from kvseal.protocol import router as rp
 from kvseal.protocol.router import RouterRequest, WorkerHealth
 from kvseal.protocol.router_host import RouterHost
+from kvseal.server import listen
 from kvseal.server.backend import GenRequest
 from kvseal.server.mux import TokenMux
 from kvseal.transfer import messages as P
@@ -188,7 +189,7 @@ class DisaggBackend:
         self.prot = protections or Protections()
         self.faults = faults or Faults()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0),
-                                        limits=httpx.Limits(max_connections=512), **(http or {}))
+                                        limits=listen.client_limits(512, 512), **(http or {}))
         self.context_window = 0
         self.pool_tokens = 0
         self._tasks: set[asyncio.Task] = set()
