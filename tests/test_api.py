@@ -107,7 +107,7 @@ def test_malformed_json_unknown_model_and_huge_max_tokens(colocated):
 
 def test_input_that_once_broke_a_handler_is_400_and_the_connection_serves_on(colocated):
     """Each of these reached code that raised (a seed torch cannot take, text no tokenizer can encode, JSON
-    nested past Python's recursion limit): a plain-text 500, and the server closed the kept-alive connection, so
+    nested past Python's recursion limit, an integer longer than Python parses): a 500, and the server closed the kept-alive connection, so
     the client's next request was reset (through the router, see test_disagg, worse). Now each is a 400 naming
     the problem, the connection serves on, and the edge of the seed range samples as any seed does."""
     inputs_that_once_broke_a_handler(colocated)
@@ -117,7 +117,8 @@ def inputs_that_once_broke_a_handler(server) -> None:
     hi = [{"role": "user", "content": "hi"}]
     bad = [(b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 x"}]}' % MODEL.encode(), "surrogate"),
            (b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
-           (json.dumps({"model": MODEL, "messages": hi, "seed": 2**70}).encode(), "seed")]
+           (json.dumps({"model": MODEL, "messages": hi, "seed": 2**70}).encode(), "seed"),
+           (b'{"model": "%s", "messages": [], "seed": %s}' % (MODEL.encode(), b"9" * 5000), "digits")]
     with httpx.Client(base_url=server.url, timeout=60) as c:
         for body, says in bad:
             r = c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})

@@ -106,6 +106,8 @@ async def parse(request: Request, model: type[T]) -> T:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise BadRequest("request body is not valid JSON here: nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise BadRequest(f"request body is not valid JSON here: {e.args[0].split(';')[0]}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if _SURROGATE_ESCAPE.search(raw) and lone_surrogate(body):
