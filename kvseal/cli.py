@@ -23,14 +23,37 @@ from kvseal.model.cpu import LevelError, choice, resolve
 from kvseal.server.served import add_front_args
 
 
+def _bounded(kind: type, least: float, what: str, most: float = float("inf")) -> object:
+    """An argparse type: a ``kind`` number in [least, most], else the usual one-line usage error naming the flag
+    (a zero page size divided by zero, a negative thread count failed inside the engine thread)."""
+    def convert(text: str) -> int | float:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not least <= v <= most:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
+        return v
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+COUNT = _bounded(int, 1, "a positive integer")
+THREADS = _bounded(int, 0, "0 (every core) or more")
+PORT = _bounded(int, 0, "a port number (0-65535)", 65535)
+SECONDS = _bounded(float, 1e-3, "a positive number of seconds", 1e9)
+GIB = _bounded(float, 1e-6, "a positive number of GiB", 1e9)
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="auto: bf16 where the CPU has bf16 dot products (AVX-512 BF16, AMX, Arm BF16), else fp32")
-    p.add_argument("--kv-pool-tokens", type=int, default=None, help="pool size in tokens")
-    p.add_argument("--kv-memory", type=float, default=1.5, help="pool memory in GiB (if no --kv-pool-tokens)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--context", "--max-model-len", dest="context", type=int, default=None,
+    p.add_argument("--kv-pool-tokens", type=COUNT, default=None, help="pool size in tokens")
+    p.add_argument("--kv-memory", type=GIB, default=1.5, help="pool memory in GiB (if no --kv-pool-tokens)")
+    p.add_argument("--page-size", type=COUNT, default=16, help="tokens per KV page")
+    p.add_argument("--context", "--max-model-len", dest="context", type=COUNT, default=None,
                    help="served context (default: the model's)")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer (HF directory or GGUF file) "
                    "other than the checkpoint's")
@@ -38,8 +61,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of the checkpoint's shape (sizing, benchmarks), as vLLM's")
     p.add_argument("--allow-pool-below-context", action="store_true",
                    help="cap the served context at the pool instead of refusing to start")
-    p.add_argument("--max-running", type=int, default=64, help="requests in the running batch at most")
-    p.add_argument("--step-token-budget", type=int, default=512,
+    p.add_argument("--max-running", type=COUNT, default=64, help="requests in the running batch at most")
+    p.add_argument("--step-token-budget", type=COUNT, default=512,
                    help="tokens per engine step (decodes + prefill chunks); bounds every stream's inter-token gap")
     p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
                    help="linear-layer weights: bf16 (fp32 models widen them in the GEMM), fp32 (exact, fp32 models), "
@@ -48,7 +71,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model and the KV pool live; cuda: experimental (not yet run on a GPU: "
                         "docs/gpu.md); a GPU pool's pages move between workers through host memory")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=THREADS, default=0, help="torch threads (default: all cores)")
     p.add_argument("--share-cores", default="auto", metavar="LOCKFILE|auto|none",
                    help="time-share the cores with other engines using the same lock file (one forward at a time); "
                         "auto: every engine of this user on this host that uses all cores (no --threads)")
@@ -110,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
     add_worker_args(s)
     s.add_argument("--colocated", action="store_true", help="one process does prefill and decode")
     s.add_argument("--host", default="127.0.0.1", help="address the front door listens on")
-    s.add_argument("--port", type=int, default=8000,
+    s.add_argument("--port", type=PORT, default=8000,
                    help="the front door's port (workers: the next two when free)")
     s.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                    help="a client key and its tenant (repeatable); none: single-tenant")
@@ -124,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
         add_worker_args(w)
         add_cluster_args(w)
         w.add_argument("--host", default="127.0.0.1", help="address this worker listens on (and Mooncake binds)")
-        w.add_argument("--port", type=int, required=True, help="this worker's port")
+        w.add_argument("--port", type=PORT, required=True, help="this worker's port")
         w.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # serve's bound socket
         w.add_argument("--transport", default="shm", choices=["shm", "mooncake"],
                        help="how page bytes move between prefill and decode (both workers alike)")
@@ -135,14 +158,14 @@ def parser() -> argparse.ArgumentParser:
                        help="Mooncake's transport protocol")
         w.add_argument("--mooncake-devices", default="", metavar="NIC[,NIC]", help="RDMA devices, e.g. mlx5_0")
         if role == "decode":
-            w.add_argument("--lease-ttl", type=float, default=120.0,
+            w.add_argument("--lease-ttl", type=_bounded(float, 0, "0 (never) or more seconds", 1e9), default=120.0,
                            help="seconds before a never-committed lease is revoked and freed (0: never)")
     r = sub.add_parser("router", help="OpenAI front door over remote workers")
     add_cluster_args(r)
     r.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill worker (repeatable)")
     r.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode worker (repeatable)")
     r.add_argument("--host", default="127.0.0.1", help="address the router listens on")
-    r.add_argument("--port", type=int, default=8000, help="the router's port")
+    r.add_argument("--port", type=PORT, default=8000, help="the router's port")
     r.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # serve's bound socket
     r.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                    help="a client key and its tenant (repeatable); none: single-tenant")
@@ -151,12 +174,12 @@ def parser() -> argparse.ArgumentParser:
                    "generation config (default: SmolLM2-135M-Instruct)")
     r.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer other than the checkpoint's")
     add_front_args(r)
-    r.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker is failed")
-    r.add_argument("--probe-timeout", type=float, default=5.0,
+    r.add_argument("--timeout", type=SECONDS, default=30.0, help="seconds before a silent worker is failed")
+    r.add_argument("--probe-timeout", type=SECONDS, default=5.0,
                    help="health-probe timeout; a worker that answered real work recently stays in service")
-    r.add_argument("--queue-timeout", type=float, default=120.0,
+    r.add_argument("--queue-timeout", type=SECONDS, default=120.0,
                    help="seconds a request may wait for prefill (queue included) before it fails with 503")
-    r.add_argument("--max-inflight", type=int, default=256,
+    r.add_argument("--max-inflight", type=COUNT, default=256,
                    help="requests in flight per worker; past it new requests are answered 429 at once")
     for name, flag in UNSAFE_FLAGS.items():
         r.add_argument(flag, dest=f"unsafe_{name}", action="store_true", help=argparse.SUPPRESS)
@@ -164,10 +187,10 @@ def parser() -> argparse.ArgumentParser:
     pf = sub.add_parser("preflight", help="print the pool sizing table without serving")
     pf.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     pf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="the KV pool's dtype")
-    pf.add_argument("--memory", type=float, required=True, help="pool memory in GiB")
-    pf.add_argument("--context", "--max-model-len", dest="context", type=int, default=None,
+    pf.add_argument("--memory", type=GIB, required=True, help="pool memory in GiB")
+    pf.add_argument("--context", "--max-model-len", dest="context", type=COUNT, default=None,
                     help="served context (default: the model's)")
-    pf.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    pf.add_argument("--page-size", type=COUNT, default=16, help="tokens per KV page")
     b = sub.add_parser("bench", help="load benchmark against an OpenAI-compatible server")
     from kvseal.bench import add_args
 
@@ -206,6 +229,12 @@ def check(a: argparse.Namespace) -> None:
     if a.cmd in ("serve", "prefill", "decode"):
         resolve(worker_spec(a))
         p = Path(a.model) if a.model else None
+        if p is not None and p.is_file():  # read as it loads, after PyTorch: its first bytes are checked now
+            if p.suffix != ".gguf":
+                raise ConfigError(f"{p}: expected a .gguf file or a directory with config.json")
+            with open(p, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise ConfigError(f"{p}: not a GGUF file (it does not begin with the GGUF magic bytes)")
         if p is not None and (p.is_dir() or not p.exists()):  # a GGUF file is checked as it loads
             from kvseal.model.loader import inspect  # PyTorch (meta tensors): never for `serve` of a GGUF file
 

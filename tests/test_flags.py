@@ -3,8 +3,13 @@ build the argument lists ``serve`` starts its workers and its router with, parse
 router do, and compare. A flag ``serve`` accepts and then drops (as ``--prefix-cache`` once was) fails here."""
 
 import argparse
+import subprocess
+import sys
+
+import pytest
 
 from kvseal.cli import parser
+from kvseal.model.files import default_model_path
 from kvseal.server.launch import _router_argv, _worker_argv
 
 # serve's own (not forwarded as flags): where it listens, the colocated switch, what serve sets up itself
@@ -25,9 +30,10 @@ def other_value(action: argparse.Action) -> list[str]:
         return [flag, next(str(c) for c in action.choices if c != action.default)]
     if action.nargs == "+":
         return [flag, "name-a", "name-b"]
-    if action.type is int:
+    kind = getattr(action.type, "__name__", None)  # int, float, or kvseal.cli's bounded numbers of either
+    if kind == "int":
         return [flag, str((action.default or 0) + 7)]
-    if action.type is float:
+    if kind == "float":
         return [flag, str((action.default or 0) + 2.5)]
     return [flag, "key=tenant" if action.dest == "api_key" else f"/tmp/{action.dest}"]
 
@@ -101,3 +107,38 @@ def test_a_gpu_serve_leaves_its_workers_cores_alone_and_their_weights_unshared()
     private = Path("/tmp/private")
     assert _shared_weights(parser().parse_args(["serve", "--device", "cuda"]), private) == []
     assert _shared_weights(parser().parse_args(["serve"]), private) == ["--shared-weights", "/tmp/private/weights"]
+
+
+BAD_START = [
+    (["--page-size", "0"], "argument --page-size: must be a positive integer, not 0"),
+    (["--threads", "-1"], "argument --threads: must be 0 (every core) or more, not -1"),
+    (["--kv-pool-tokens", "-5"], "argument --kv-pool-tokens: must be a positive integer, not -5"),
+    (["--max-running", "0"], "argument --max-running: must be a positive integer, not 0"),
+    (["--context", "0"], "argument --context/--max-model-len: must be a positive integer, not 0"),
+    (["--kv-memory", "nan"], "argument --kv-memory: must be a positive number of GiB, not nan"),
+    (["--port", "70000"], "argument --port: must be a port number (0-65535), not 70000"),
+    (["--api-key", "no-tenant"], "--api-key takes KEY=TENANT, not 'no-tenant'"),
+    (["--api-keys", "/nonexistent/keys"], "--api-keys /nonexistent/keys: No such file or directory"),
+    (["--model", "/etc/hostname"], "/etc/hostname: expected a .gguf file or a directory with config.json"),
+    (["--model", "{bad_gguf}"], "not a GGUF file (it does not begin with the GGUF magic bytes)"),
+    (["--model", "{cut_gguf}"], "cannot read it as GGUF (damaged or cut short)"),
+]
+
+
+@pytest.mark.parametrize("mode", [[], ["--colocated"]], ids=["disaggregated", "colocated"])
+@pytest.mark.parametrize("flags,says", BAD_START, ids=[f[0][0] + "=" + f[0][1].strip("{}") for f in BAD_START])
+def test_a_flag_value_that_cannot_work_is_refused_in_one_line_before_anything_starts(flags, says, mode, tmp_path):
+    """Each of these once got past the command line: a traceback (a zero page size divided by it; a keys line
+    without a tenant, a file that is not a model), or a silly advice (a pool of -5 tokens: "lower --context to
+    -5"), some only after the model had loaded. Now each is one line naming the flag or file, before any model
+    loads; a GGUF file cut short is found as it is read (serve's workers each say so, then serve ends)."""
+    (tmp_path / "bad.gguf").write_bytes(b"not a model at all")
+    with open(default_model_path(), "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(1000))  # its header, cut inside the metadata
+    argv = [a.format(bad_gguf=tmp_path / "bad.gguf", cut_gguf=tmp_path / "cut.gguf") for a in flags]
+    r = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", *mode, *argv, "--port", "18996"]
+                       if "--port" not in argv else [sys.executable, "-m", "kvseal.cli", "serve", *mode, *argv],
+                       capture_output=True, text=True, timeout=120, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert says in lines[-1] or (flags[1] == "{cut_gguf}" and not mode and says in lines[0]), r.stderr[-2000:]

@@ -81,7 +81,7 @@ def load(path: str | Path | None, dtype: torch.dtype, progress: bool = True, tok
     elif p.is_dir():
         raise ConfigError(f"{p}: a model directory needs a config.json (and safetensors weights)")
     else:
-        raise FileNotFoundError(f"{p}: expected a .gguf file or a directory with config.json")
+        raise ConfigError(f"{p}: expected a .gguf file or a directory with config.json")
     n = size_from_json(tok) if isinstance(tok, Path) else None
     if n is None:  # no tokenizer.json to count: built now, and kept
         tok = load_tokenizer(tok) if isinstance(tok, Path) else tok
@@ -234,7 +234,10 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _read_gguf(p: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
-    reader = gguf.GGUFReader(str(p))
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except (ValueError, IndexError, OSError) as e:  # not GGUF, or cut short: one line, as a bad config is
+        raise ConfigError(f"{p}: cannot read it as GGUF (damaged or cut short): {e}") from None
     cfg = gguf_config(reader)
     permuted = _field(reader, "general.architecture") == "llama"  # llama.cpp permutes Q/K for llama only
     raw: dict[str, torch.Tensor] = {}
@@ -301,7 +304,10 @@ def _shapes(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor] | None]:
         return _read_hf_dir(p, progress=False, meta=True)
     import gguf
 
-    reader = gguf.GGUFReader(str(p))
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except (ValueError, IndexError, OSError) as e:  # not GGUF, or cut short: one line, as a bad config is
+        raise ConfigError(f"{p}: cannot read it as GGUF (damaged or cut short): {e}") from None
     cfg = gguf_config(reader)
     return cfg, {_gguf_to_hf(t.name): torch.empty(tuple(reversed([int(d) for d in t.shape])), device="meta")
                  for t in reader.tensors if t.name != "rope_freqs.weight"}

@@ -107,6 +107,12 @@ def check_front(a: argparse.Namespace) -> None:
         raise ConfigError("--per-tenant-metrics needs --admin-key: series that name tenants are the admin's to read")
     if a.served_model_name is not None and (not a.served_model_name or any(not n for n in a.served_model_name)):
         raise ConfigError("--served-model-name needs non-empty names")
+    from kvseal.server.tenants import Tenants
+
+    try:  # a malformed key or an unreadable keys file: refused now, not after the model has loaded
+        Tenants.load(a.api_key, a.api_keys, a.admin_key)
+    except OSError as e:
+        raise ConfigError(f"--api-keys {a.api_keys}: {e.strerror}") from None
 
 
 def front(a: argparse.Namespace, tokenizer: object) -> Served:
