@@ -3,10 +3,13 @@ build the argument lists ``serve`` starts its workers and its router with, parse
 router do, and compare. A flag ``serve`` accepts and then drops (as ``--prefix-cache`` once was) fails here."""
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
+from conftest import free_port
 
 from kvseal.cli import parser
 from kvseal.model.files import default_model_path
@@ -136,9 +139,16 @@ def test_a_flag_value_that_cannot_work_is_refused_in_one_line_before_anything_st
     with open(default_model_path(), "rb") as f:
         (tmp_path / "cut.gguf").write_bytes(f.read(1000))  # its header, cut inside the metadata
     argv = [a.format(bad_gguf=tmp_path / "bad.gguf", cut_gguf=tmp_path / "cut.gguf") for a in flags]
-    r = subprocess.run([sys.executable, "-m", "kvseal.cli", "serve", *mode, *argv, "--port", "18996"]
-                       if "--port" not in argv else [sys.executable, "-m", "kvseal.cli", "serve", *mode, *argv],
-                       capture_output=True, text=True, timeout=120, check=False)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert says in lines[-1] or (flags[1] == "{cut_gguf}" and not mode and says in lines[0]), r.stderr[-2000:]
+    port = [] if "--port" in argv else ["--port", str(free_port())]
+    # its own session: a server that does start (the fault this test looks for) goes with all its workers
+    p = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "serve", *mode, *argv, *port],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise AssertionError(f"kvseal serve {' '.join(argv)} started instead of refusing") from None
+    lines = err.strip().splitlines()
+    assert p.returncode != 0 and "Traceback" not in err, err[-2000:]
+    assert says in lines[-1] or (flags[1] == "{cut_gguf}" and not mode and says in lines[0]), err[-2000:]
