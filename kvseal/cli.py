@@ -160,6 +160,9 @@ def parser() -> argparse.ArgumentParser:
         if role == "decode":
             w.add_argument("--lease-ttl", type=_bounded(float, 0, "0 (never) or more seconds", 1e9), default=120.0,
                            help="seconds before a never-committed lease is revoked and freed (0: never)")
+            w.add_argument("--reserve-wait", type=SECONDS, default=20.0,
+                           help="seconds a reservation waits for room in a full KV pool before it is answered 503 "
+                                "(a request whose own other choices or prompts hold the pool is retried by the router)")
     r = sub.add_parser("router", help="OpenAI front door over remote workers")
     add_cluster_args(r)
     r.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill worker (repeatable)")
@@ -257,6 +260,7 @@ def _start(a: argparse.Namespace) -> None:
 
         auth = cluster_auth(a, a.cmd, f"{a.cmd}@{a.host}:{a.port}")
         serve_worker(a.cmd, worker_spec(a), a.host, a.port, a.transport, getattr(a, "lease_ttl", 0.0),
+                     getattr(a, "reserve_wait", 20.0),
                      MooncakeConfig(a.mooncake_protocol, a.mooncake_devices), auth=auth,
                      tls=(a.ssl_certfile, a.ssl_keyfile), listen_fd=a.listen_fd)
     elif a.cmd == "router":

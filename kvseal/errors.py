@@ -47,6 +47,11 @@ class Overloaded(EngineError):
     type = "server_error"
 
 
+class PoolFull(Overloaded):
+    """Decode's KV pool had no room for a reservation within its wait (``--reserve-wait``)."""
+    code = "kv_pool_full"
+
+
 class Unanswered(Overloaded):
     """A worker never answered (refused, reset, or still busy at the timeout): what it did is unknown."""
 

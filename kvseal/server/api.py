@@ -271,6 +271,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         plans = [(prompt, admit(req, prompt, chat)) for prompt in prompts]  # all admitted before any generates
         started = time.monotonic()
         replies: list[Reply] = []
+        batch = secrets.randbits(62) if len(plans) * req.n > 1 else None
         for prompt, max_new in plans:
             metrics.prompt_tokens.inc(len(prompt))
             group = secrets.randbits(62) if req.n > 1 else None
@@ -278,7 +279,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                 seed = None if req.seed is None else choice_seed(req.seed, c)
                 params = SamplingParams(max_tokens=max_new, seed=seed, **common)
                 rid = group if c == 0 and group is not None else secrets.randbits(62)
-                events = backend.generate(GenRequest(rid, tenant, prompt, params, group))
+                events = backend.generate(GenRequest(rid, tenant, prompt, params, group, batch))
                 replies.append(Reply(len(replies), events, TextStream(tokenizer, req.stop, req.min_tokens),
                                      metrics, started))
                 replies[-1].tenant = tenant

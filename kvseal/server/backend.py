@@ -28,6 +28,7 @@ class GenRequest:
     prompt: list[int]
     params: SamplingParams
     group: int | None = None  # n > 1: every choice of a prompt names its first choice's rid
+    batch: int | None = None  # more than one choice or prompt: names the API request all of them came in
 
 
 class Backend(Protocol):

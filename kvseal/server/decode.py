@@ -32,6 +32,7 @@ from kvseal.errors import (
     BadRequest,
     EngineError,
     Overloaded,
+    PoolFull,
     TooManyRequests,
 )
 from kvseal.faults import Faults
@@ -315,7 +316,7 @@ class DecodeService:
             deadline = time.monotonic() + self.reserve_wait
             while (run := await asyncio.wrap_future(self.engine.call(take))) is None:
                 if time.monotonic() >= deadline:
-                    raise Overloaded(f"decode KV pool full for {self.reserve_wait:g} s "
+                    raise PoolFull(f"decode KV pool full for {self.reserve_wait:g} s "
                                      f"({self.pool.num_free} pages free, {need} needed)")
                 await asyncio.sleep(0.02)
             return run

@@ -15,6 +15,7 @@ request's actions through this module's ports (``HttpPorts``), the same host the
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
@@ -26,7 +27,7 @@ import msgspec
 
 from kvseal.config import Protections
 from kvseal.engine.request import Event
-from kvseal.errors import EngineError, Overloaded, TooManyRequests, Unanswered
+from kvseal.errors import EngineError, Overloaded, PoolFull, TooManyRequests, Unanswered
 from kvseal.faults import Faults
 from kvseal.protocol import router as rp
 from kvseal.protocol.router import RouterRequest, WorkerHealth
@@ -91,6 +92,8 @@ class Flight:
     req: GenRequest
     first: asyncio.Queue = field(default_factory=asyncio.Queue)
     step: asyncio.Task | None = None
+    holding: bool = False  # its lease holds decode pages (counted in DisaggBackend.holders)
+    ended: bool = False  # its generator has ended: nothing of it is held any more
 
 
 def bug(e: Exception, step: str) -> Unanswered:
@@ -117,7 +120,16 @@ class HttpPorts:
         r = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
                       sampling=req.params.to_wire(), prefill_id=f.p.url, subscriber=self.b.subscriber)
         try:
-            lease = P.decode(await self.b._post(f.d, "/kv/reserve", r), P.Lease)
+            while True:
+                try:
+                    lease = P.decode(await self.b._post(f.d, "/kv/reserve", r), P.Lease)
+                    break
+                except EngineError as e:
+                    # A choice (or prompt) of a request whose other choices fill decode's pool would wait for
+                    # its own siblings: after decode's wait it is asked again while any of them still holds pages
+                    # (they are bounded by max_tokens and free as they finish). Decode kept nothing of the refusal.
+                    if e.code != PoolFull.code or f.ended or not self.b.siblings_hold(f):
+                        raise
         except EngineError as e:
             answer(e)
             return
@@ -127,6 +139,7 @@ class HttpPorts:
         except Exception as e:  # noqa: BLE001 - a bug: the request must still end; decode's TTL ends the lease
             answer(bug(e, "reserve"))
             return
+        self.b.hold(f)
         self.b.faults.crash("crash_after_reserve")
         answer(lease)
 
@@ -197,6 +210,7 @@ class DisaggBackend:
         self.max_inflight = max_inflight  # per worker: past it, new requests are shed with 429 at once
         self.queue_timeout = max(queue_timeout, timeout)  # a transfer's wait for prefill, queue included
         self.subscriber = secrets.token_hex(8)  # names this router's token stream on every decode
+        self.holders: collections.Counter = collections.Counter()  # (batch, decode url) -> its leases there
         self.host = RouterHost(HttpPorts(self))
         for d in self.decodes:
             d.mux = TokenMux(self.client, d.url, self.subscriber, timeout, on_dead=lambda d=d: _down(d))
@@ -365,9 +379,29 @@ class DisaggBackend:
             d.inflight -= 1
             if not committed:
                 p.inflight -= 1
+            f.ended = True
+            self.release(f)
             d.mux.unregister(req.rid)
             if not finished:  # client left or stream broke; carry only spawns tasks: safe while cancelled
                 self.host.carry(f, f.m.left())
+
+    def hold(self, f: Flight) -> None:
+        """A choice or prompt of a request of several got its lease: it holds pages on its decode until its
+        generator ends."""
+        if f.req.batch is not None and not f.ended:
+            self.holders[(f.req.batch, f.d.url)] += 1
+            f.holding = True
+
+    def release(self, f: Flight) -> None:
+        if f.holding:
+            f.holding = False
+            key = (f.req.batch, f.d.url)
+            self.holders[key] -= 1
+            if self.holders[key] <= 0:
+                del self.holders[key]
+
+    def siblings_hold(self, f: Flight) -> bool:
+        return f.req.batch is not None and self.holders.get((f.req.batch, f.d.url), 0) > 0
 
     def _spawn(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

@@ -21,7 +21,7 @@ from kvseal.transfer.auth import cluster_auth
 
 
 def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str, lease_ttl: float = 0.0,
-                 mooncake: object = None, auth: tuple = (None, {}), tls: tuple = (None, None),
+                 reserve_wait: float = 20.0, mooncake: object = None, auth: tuple = (None, {}), tls: tuple = (None, None),
                  listen_fd: int | None = None) -> None:
     from kvseal.engine.build import build_engine  # PyTorch: a worker's, never the router's
 
@@ -38,7 +38,7 @@ def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: s
         # the decode id names this incarnation: a capability granted before a restart is told from a forgery
         incarnation = f"{host}:{port}#{secrets.token_hex(4)}"
         app = decode_app(DecodeService(engine, lm.model.cfg.eos_token_ids, target, incarnation,
-                                       faults, lease_ttl, http=http,
+                                       faults, lease_ttl, reserve_wait, http=http,
                                        exposure=pool if transport == "mooncake" else None))
         # uvicorn re-raises SIGTERM after its shutdown, so a ``finally`` after ``run`` never runs: the pool file
         # goes in the app's own shutdown (a SIGKILL still leaves it; the next decode's sweep removes it)
