@@ -112,7 +112,7 @@ def test_a_gpu_serve_leaves_its_workers_cores_alone_and_their_weights_unshared()
     assert _shared_weights(parser().parse_args(["serve"]), private) == ["--shared-weights", "/tmp/private/weights"]
 
 
-BAD_START = [
+BAD_NUMBERS = [
     (["--page-size", "0"], "argument --page-size: must be a positive integer, not 0"),
     (["--threads", "-1"], "argument --threads: must be 0 (every core) or more, not -1"),
     (["--kv-pool-tokens", "-5"], "argument --kv-pool-tokens: must be a positive integer, not -5"),
@@ -120,6 +120,19 @@ BAD_START = [
     (["--context", "0"], "argument --context/--max-model-len: must be a positive integer, not 0"),
     (["--kv-memory", "nan"], "argument --kv-memory: must be a positive number of GiB, not nan"),
     (["--port", "70000"], "argument --port: must be a port number (0-65535), not 70000"),
+]
+
+
+@pytest.mark.parametrize("flags,says", BAD_NUMBERS, ids=[f[0][0] for f in BAD_NUMBERS])
+def test_a_number_that_cannot_work_is_a_usage_error(flags, says, capsys):
+    """Each once got past the command line: a zero page size divided by it, a negative thread count failed in
+    the engine thread, a pool of -5 tokens was told to "lower --context to -5", port 70000 failed at bind."""
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["serve", *flags])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+BAD_START = [
     (["--api-key", "no-tenant"], "--api-key takes KEY=TENANT, not 'no-tenant'"),
     (["--api-keys", "/nonexistent/keys"], "--api-keys /nonexistent/keys: No such file or directory"),
     (["--model", "/etc/hostname"], "/etc/hostname: expected a .gguf file or a directory with config.json"),
@@ -130,18 +143,17 @@ BAD_START = [
 
 @pytest.mark.parametrize("mode", [[], ["--colocated"]], ids=["disaggregated", "colocated"])
 @pytest.mark.parametrize("flags,says", BAD_START, ids=[f[0][0] + "=" + f[0][1].strip("{}") for f in BAD_START])
-def test_a_flag_value_that_cannot_work_is_refused_in_one_line_before_anything_starts(flags, says, mode, tmp_path):
-    """Each of these once got past the command line: a traceback (a zero page size divided by it; a keys line
-    without a tenant, a file that is not a model), or a silly advice (a pool of -5 tokens: "lower --context to
-    -5"), some only after the model had loaded. Now each is one line naming the flag or file, before any model
-    loads; a GGUF file cut short is found as it is read (serve's workers each say so, then serve ends)."""
+def test_a_key_or_model_that_cannot_work_is_refused_in_one_line_before_anything_starts(flags, says, mode,
+                                                                                      tmp_path):
+    """Each once was a traceback (a keys line without a tenant, a file that is not a model), some only after the
+    model had loaded. Now each is one line naming the flag or file, before any model loads; a GGUF file cut
+    short is found as it is read (serve's workers each say so, then serve ends)."""
     (tmp_path / "bad.gguf").write_bytes(b"not a model at all")
     with open(default_model_path(), "rb") as f:
         (tmp_path / "cut.gguf").write_bytes(f.read(1000))  # its header, cut inside the metadata
     argv = [a.format(bad_gguf=tmp_path / "bad.gguf", cut_gguf=tmp_path / "cut.gguf") for a in flags]
-    port = [] if "--port" in argv else ["--port", str(free_port())]
     # its own session: a server that does start (the fault this test looks for) goes with all its workers
-    p = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "serve", *mode, *argv, *port],
+    p = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "serve", *mode, *argv, "--port", str(free_port())],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, err = p.communicate(timeout=60)
