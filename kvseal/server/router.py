@@ -119,6 +119,7 @@ class HttpPorts:
         req = f.req
         r = P.Reserve(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
                       sampling=req.params.to_wire(), prefill_id=f.p.url, subscriber=self.b.subscriber)
+        until = time.monotonic() + self.b.queue_timeout
         try:
             while True:
                 try:
@@ -127,8 +128,11 @@ class HttpPorts:
                 except EngineError as e:
                     # A choice (or prompt) of a request whose other choices fill decode's pool would wait for
                     # its own siblings: after decode's wait it is asked again while any of them still holds pages
-                    # (they are bounded by max_tokens and free as they finish). Decode kept nothing of the refusal.
-                    if e.code != PoolFull.code or f.ended or not self.b.siblings_hold(f):
+                    # (they are bounded by max_tokens and free as they finish), within the queue timeout (a
+                    # sibling counts until its reply is read, so others filling the pool are waited on too).
+                    # Decode kept nothing of the refusal.
+                    if (e.code != PoolFull.code or f.ended or not self.b.siblings_hold(f)
+                            or time.monotonic() >= until):
                         raise
         except EngineError as e:
             answer(e)
