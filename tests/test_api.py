@@ -107,9 +107,10 @@ def test_malformed_json_unknown_model_and_huge_max_tokens(colocated):
 
 def test_input_that_once_broke_a_handler_is_400_and_the_connection_serves_on(colocated):
     """Each of these reached code that raised (a seed torch cannot take, text no tokenizer can encode, JSON
-    nested past Python's recursion limit, an integer longer than Python parses): a 500, and the server closed the kept-alive connection, so
-    the client's next request was reset (through the router, see test_disagg, worse). Now each is a 400 naming
-    the problem, the connection serves on, and the edge of the seed range samples as any seed does."""
+    nested past Python's recursion limit): a plain-text 500, and the server closed the kept-alive connection, so
+    the client's next request was reset (through the router, see test_disagg, worse). An integer longer than
+    Python parses was a contained 500 later. Now each is a 400 naming the problem, the connection serves on,
+    and the edge of the seed range samples as any seed does."""
     inputs_that_once_broke_a_handler(colocated)
 
 

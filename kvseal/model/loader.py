@@ -231,13 +231,19 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_gguf(p: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _gguf_reader(p: Path) -> object:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(p))
+        return gguf.GGUFReader(str(p))
     except (ValueError, IndexError, OSError) as e:  # not GGUF, or cut short: one line, as a bad config is
         raise ConfigError(f"{p}: cannot read it as GGUF (damaged or cut short): {e}") from None
+
+
+def _read_gguf(p: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = _gguf_reader(p)
     cfg = gguf_config(reader)
     permuted = _field(reader, "general.architecture") == "llama"  # llama.cpp permutes Q/K for llama only
     raw: dict[str, torch.Tensor] = {}
@@ -302,12 +308,7 @@ def _shapes(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor] | None]:
         if not any(p.glob("*.safetensors")):
             return hf_config(_config_json(p), None), None
         return _read_hf_dir(p, progress=False, meta=True)
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(p))
-    except (ValueError, IndexError, OSError) as e:  # not GGUF, or cut short: one line, as a bad config is
-        raise ConfigError(f"{p}: cannot read it as GGUF (damaged or cut short): {e}") from None
+    reader = _gguf_reader(p)
     cfg = gguf_config(reader)
     return cfg, {_gguf_to_hf(t.name): torch.empty(tuple(reversed([int(d) for d in t.shape])), device="meta")
                  for t in reader.tensors if t.name != "rope_freqs.weight"}

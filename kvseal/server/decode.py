@@ -317,7 +317,7 @@ class DecodeService:
             while (run := await asyncio.wrap_future(self.engine.call(take))) is None:
                 if time.monotonic() >= deadline:
                     raise PoolFull(f"decode KV pool full for {self.reserve_wait:g} s "
-                                     f"({self.pool.num_free} pages free, {need} needed)")
+                                   f"({self.pool.num_free} pages free, {need} needed)")
                 await asyncio.sleep(0.02)
             return run
         finally:

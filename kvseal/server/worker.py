@@ -21,8 +21,8 @@ from kvseal.transfer.auth import cluster_auth
 
 
 def serve_worker(role: str, spec: WorkerSpec, host: str, port: int, transport: str, lease_ttl: float = 0.0,
-                 reserve_wait: float = 20.0, mooncake: object = None, auth: tuple = (None, {}), tls: tuple = (None, None),
-                 listen_fd: int | None = None) -> None:
+                 reserve_wait: float = 20.0, mooncake: object = None, auth: tuple = (None, {}),
+                 tls: tuple = (None, None), listen_fd: int | None = None) -> None:
     from kvseal.engine.build import build_engine  # PyTorch: a worker's, never the router's
 
     verifier, http = auth
