@@ -37,6 +37,8 @@ def test_levels_follow_the_cpu_features():
     assert cpu.runnable(ZEN1 - {"bmi2"}, "x86_64") == ["generic"]  # x86-64-v3 code may use BMI2
     assert cpu.runnable(zen4, "x86_64") == ["generic", "avx2", "avx512", "avx512_bf16"]
     assert cpu.runnable(zen4 - {"avx512_bf16"}, "x86_64")[-1] == "avx512"  # Skylake-X .. Ice Lake
+    assert cpu.runnable(zen4 | {"amx_tile", "amx_bf16"}, "x86_64")[-1] == "amx_bf16"  # Sapphire Rapids on
+    assert cpu.runnable(zen4 | {"amx_tile"}, "x86_64")[-1] == "avx512_bf16"
     assert cpu.runnable(frozenset({"asimd"}), "aarch64") == ["generic"]
 
 
@@ -83,7 +85,7 @@ def test_a_bad_level_stops_the_start_with_one_line(cmd):
     r = _kvseal(*cmd, KVSEAL_ISA="avx9")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().endswith("KVSEAL_ISA=avx9: not a kernel level of x86_64 (levels: generic, avx2, avx512, "
-                                     "avx512_bf16)") or cpu.arch() != "x86_64"
+                                     "avx512_bf16, amx_bf16)") or cpu.arch() != "x86_64"
     assert len(r.stderr.strip().splitlines()) == 1
 
 

@@ -2,8 +2,8 @@
 
 The kernels in ``csrc/`` are compiled once per level by the normal install (``setup.py``), never with
 ``-march=native``: ``generic`` (baseline x86-64 or aarch64, vectorized by the compiler only), ``avx2``
-(x86-64-v3: AVX2, FMA, F16C), ``avx512`` (x86-64-v4: AVX-512 F/BW/DQ/VL) and ``avx512_bf16`` (plus AVX-512
-BF16 dot products). At start the process loads the highest level that this CPU runs and the install built,
+(x86-64-v3: AVX2, FMA, F16C), ``avx512`` (x86-64-v4: AVX-512 F/BW/DQ/VL), ``avx512_bf16`` (plus AVX-512
+BF16 dot products) and ``amx_bf16`` (plus AMX tiles, whose bf16 GEMM is the one change). At start the process loads the highest level that this CPU runs and the install built,
 as oneDNN and llama.cpp's ggml-cpu pick theirs. ``KVSEAL_ISA=LEVEL`` forces a lower one (for tests, and for
 a user who hits a bug in a higher one); a level this CPU cannot run is refused with the features it lacks.
 ``KVSEAL_KERNELS=off`` loads none: the plain PyTorch path, which runs wherever PyTorch runs.
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 _V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 LEVELS: dict[str, dict[str, tuple[str, ...]]] = {
-    "x86_64": {"generic": (), "avx2": _V3, "avx512": _V4, "avx512_bf16": (*_V4, "avx512_bf16")},
+    "x86_64": {"generic": (), "avx2": _V3, "avx512": _V4, "avx512_bf16": (*_V4, "avx512_bf16"),
+               "amx_bf16": (*_V4, "avx512_bf16", "amx_tile", "amx_bf16")},
     "aarch64": {"generic": ()},
 }
 
@@ -42,6 +43,7 @@ BUILD_FLAGS: dict[str, dict[str, list[str]]] = {
         "avx2": ["-march=x86-64-v3"],
         "avx512": ["-march=x86-64-v4"],
         "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+        "amx_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
     },
     "aarch64": {"generic": ["-march=armv8-a"]},
 }
@@ -126,12 +128,13 @@ class Choice:
         """bf16 dot products in hardware, as far as the ceiling allows."""
         if arch() == "aarch64":
             return "bf16" in cpu_flags()
-        return self.ceiling == "avx512_bf16" or ("amx_bf16" in cpu_flags() and self.ceiling.startswith("avx512"))
+        return self.ceiling in ("avx512_bf16", "amx_bf16")
 
     @property
     def onednn_bf16(self) -> bool:
         """Whether oneDNN's bf16 weight prepack runs here (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
-        return self.ceiling.startswith("avx512") or ("avx_ne_convert" in cpu_flags() and self.ceiling != "generic")
+        return (self.ceiling.startswith("avx512") or self.ceiling == "amx_bf16"
+                or ("avx_ne_convert" in cpu_flags() and self.ceiling != "generic"))
 
 
 @functools.cache

@@ -25,6 +25,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "common.h"
 
 namespace {
@@ -137,6 +142,137 @@ void panel_silu(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* wg, c
     case 5: micro_silu<5, NB>(xi, ldx, wg, wu, pairs, block, oi, ldo); break;
     default: break;
   }
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (the amx_bf16 level: Xeon Sapphire Rapids and later). The packed layout is already tdpbf16ps's B operand:
+// 16 pairs of features of one block are 16 rows of 64 bytes (16 columns x 2), one tile, contiguous. A tile of x
+// is up to 16 rows x 32 features, read in place. Every row goes through the tiles, one row as much as 512, so a
+// row's result is the same whatever shares its step, as at the other levels: each output adds its 32-feature
+// steps in order in fp32 and is rounded once (on a Xeon with AMX this is F.linear bit for bit at 32 rows and
+// fewer: oneDNN computes with AMX too). Rows come in chunks of 32 (two row tiles); the last chunk's tiles are
+// configured to its rows only, so a one-row step does one row's work.
+// Tiles: 0-3 the sums (row tile 0 with column blocks 0 and 1, then row tile 1), 4-5 x, 6-7 the weights.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  // rows0: the rows of row tile 0 (tiles 0, 1 and 4); rows1: of row tile 1 (tiles 2, 3 and 5)
+  TileConfig(int rows0, int rows1) {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64;
+    rows[0] = rows[1] = rows[4] = static_cast<uint8_t>(rows0);
+    rows[2] = rows[3] = rows[5] = static_cast<uint8_t>(rows1);
+    rows[6] = rows[7] = 16;
+  }
+};
+
+// Linux lends the 8 KB of tile state only to a process that asks (5.16 and later); asked once. Refused, the
+// level computes with vdpbf16ps instead (for the whole process, so results still do not depend on the step).
+bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// c[t * 256 ..] = the fp32 sums of row tile t / 2 and column block t % 2, as many rows as configured
+template <int RT, int NB>
+inline void amx_sums(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t steps, float* c) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (RT == 2) _tile_zero(2);
+  if constexpr (RT == 2 && NB == 2) _tile_zero(3);
+  const uint16_t* a1 = a + 16 * lda;
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, b0 + s * 512, 64);
+    if constexpr (NB == 2) _tile_loadd(7, b1 + s * 512, 64);
+    _tile_loadd(4, a + s * 32, 2 * lda);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) {
+      _tile_loadd(5, a1 + s * 32, 2 * lda);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NB == 2) _tile_stored(1, c + 256, 64);
+  if constexpr (RT == 2) _tile_stored(2, c + 512, 64);
+  if constexpr (RT == 2 && NB == 2) _tile_stored(3, c + 768, 64);
+}
+
+// Hands out the tasks (each reads one or two packed blocks: blocks(t, b0, b1) sets them and says how many) one
+// at a time, and for each, every chunk of up to 32 rows: f(t, first row, rows, the sums as amx_sums writes them).
+template <typename B, typename F>
+void amx_each(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t tasks, B&& blocks, F&& f) {
+  const int64_t steps = k / 32, full = m - m % 32, rest = m % 32;
+  const TileConfig whole(16, 16), last(rest < 16 ? rest : 16, rest > 16 ? rest - 16 : 16);
+#pragma omp parallel
+  {
+    const TileConfig* loaded = nullptr;
+    auto use = [&](const TileConfig& cfg) {
+      if (loaded != &cfg) _tile_loadconfig(&cfg);
+      loaded = &cfg;
+    };
+    alignas(64) float c[4 * 256];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const uint16_t *b0, *b1;
+      const int nb = blocks(t, b0, b1);
+      for (int64_t r0 = 0; r0 < m; r0 += 32) {
+        const int64_t rows = r0 < full ? 32 : rest;
+        use(r0 < full ? whole : last);
+        const uint16_t* a = x + r0 * ldx;
+        if (rows > 16 && nb == 2)
+          amx_sums<2, 2>(a, ldx, b0, b1, steps, c);
+        else if (rows > 16)
+          amx_sums<2, 1>(a, ldx, b0, b1, steps, c);
+        else if (nb == 2)
+          amx_sums<1, 2>(a, ldx, b0, b1, steps, c);
+        else
+          amx_sums<1, 1>(a, ldx, b0, b1, steps, c);
+        f(t, r0, rows, c);
+      }
+    }
+    if (loaded != nullptr) _tile_release();
+  }
+}
+
+inline __m256i rounded(const float* c) { return (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c)); }
+
+void amx_gemm(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k, uint16_t* out) {
+  const int64_t blocks = n / 16, block = k * 16;
+  amx_each(x, ldx, m, k, (blocks + 1) / 2,
+           [&](int64_t t, const uint16_t*& b0, const uint16_t*& b1) {
+             b0 = packed + 2 * t * block;
+             b1 = b0 + block;
+             return blocks - 2 * t >= 2 ? 2 : 1;
+           },
+           [&](int64_t t, int64_t r0, int64_t rows, const float* c) {
+             const int nb = blocks - 2 * t >= 2 ? 2 : 1;
+             for (int64_t r = 0; r < rows; ++r)
+               for (int j = 0; j < nb; ++j)
+                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * n + 32 * t + 16 * j),
+                                     rounded(c + ((r / 16) * 2 + j) * 256 + (r % 16) * 16));
+           });
+}
+
+// act = silu(x @ Wg.T) * (x @ Wu.T): a task is block t of the gate half and block t of the up half
+void amx_gemm_silu(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t inter, int64_t k,
+                   uint16_t* out) {
+  const int64_t blocks = inter / 16, block = k * 16;
+  amx_each(x, ldx, m, k, blocks,
+           [&](int64_t t, const uint16_t*& b0, const uint16_t*& b1) {
+             b0 = packed + t * block;
+             b1 = packed + (blocks + t) * block;
+             return 2;
+           },
+           [&](int64_t t, int64_t r0, int64_t rows, const float* c) {
+             for (int64_t r = 0; r < rows; ++r) {
+               const float* g = c + ((r / 16) * 2) * 256 + (r % 16) * 16;
+               _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * inter + 16 * t),
+                                   kvseal::silu_mul16(kvseal::widen16(rounded(g)), kvseal::widen16(rounded(g + 256))));
+             }
+           });
 }
 #endif
 }  // namespace
@@ -399,6 +535,9 @@ void kvseal_gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* pa
 // out [m, n] = x [m, k] (row stride ldx) @ W.T, W packed by kvseal_gemm_pack_bf16
 void kvseal_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t n, int64_t k,
                       uint16_t* out) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (k % 32 == 0 && amx_ready()) return amx_gemm(x, ldx, m, packed, n, k, out);
+#endif
 #if defined(__AVX512BF16__)
   const int64_t pairs = k / 2;
   each_panel(n / 16, 3, [&](int64_t b0, auto nb) {
@@ -465,6 +604,9 @@ int kvseal_gemm_silu_supported(int64_t inter, int64_t k) {
 
 void kvseal_gemm_silu_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed, int64_t inter,
                            int64_t k, uint16_t* out) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (k % 32 == 0 && amx_ready()) return amx_gemm_silu(x, ldx, m, packed, inter, k, out);
+#endif
 #if defined(__AVX512BF16__)
   const int64_t blocks = inter / 16, panels = (blocks + 1) / 2, pairs = k / 2;
 #pragma omp parallel for schedule(dynamic, 1)
