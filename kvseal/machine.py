@@ -30,7 +30,7 @@ def facts(dtype: str = "auto", weights: str = "auto", threads: int = 0, device: 
     out = {
         "cpu": cpu.cpu_model(), "arch": cpu.arch(), "cores": os.cpu_count(),
         "features": [f for f in FEATURES if f in cpu.cpu_flags()],
-        "levels_runnable": cpu.runnable(cpu.cpu_flags()), "levels_built": cpu.built(),
+        "amx": cpu.amx(), "levels_runnable": cpu.runnable(cpu.usable_flags()), "levels_built": cpu.built(),
         "kernels": level, "kernels_why": c.reason, "forced": os.environ.get("KVSEAL_ISA"),
         "dtype": dtype_name, "dtype_why": dtype_why, "weights": cpu.resolve_weights(weights, dtype),
         "threads": threads or torch.get_num_threads(), "torch": torch.__version__,

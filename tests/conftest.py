@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # every build of the native kernels this CPU runs: kernel tests hold each to the reference, so a machine with
 # the widest instructions also tests the narrower levels (KVSEAL_ISA picks the one a process serves with)
-KERNEL_LEVELS = [lv for lv in cpu.runnable(cpu.cpu_flags()) if lv in cpu.built()]
+KERNEL_LEVELS = [lv for lv in cpu.runnable(cpu.usable_flags()) if lv in cpu.built()]
 
 
 @pytest.fixture(params=KERNEL_LEVELS)

@@ -3,6 +3,7 @@ KVSEAL_ISA), refused with the missing features named, never a library with instr
 install that succeeds without a compiler, ``--dtype auto``, and a server that answers at the AVX2 level with
 oneDNN held to AVX2 as well (what an AVX2-only machine such as a Zen 1 EPYC offers)."""
 
+import errno
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ def fresh_choice(monkeypatch):
     yield monkeypatch
     monkeypatch.undo()
     cpu.choice.cache_clear()
+    cpu.amx.cache_clear()
 
 
 def test_levels_follow_the_cpu_features():
@@ -40,6 +42,29 @@ def test_levels_follow_the_cpu_features():
     assert cpu.runnable(zen4 | {"amx_tile", "amx_bf16"}, "x86_64")[-1] == "amx_bf16"  # Sapphire Rapids on
     assert cpu.runnable(zen4 | {"amx_tile"}, "x86_64")[-1] == "avx512_bf16"
     assert cpu.runnable(frozenset({"asimd"}), "aarch64") == ["generic"]
+
+
+@pytest.mark.parametrize("errno_", [0, errno.EPERM, errno.EINVAL])
+def test_amx_is_used_only_where_linux_lends_the_tiles(fresh_choice, errno_):
+    """A CPU with AMX whose kernel refuses the process the tile state (before Linux 5.16, or a sandbox filtering
+    arch_prctl): the choice stays at avx512_bf16 and says why, and a forced amx_bf16 is refused at start."""
+    xeon = ZEN1 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", *cpu.AMX}
+    fresh_choice.setattr(cpu, "arch", lambda: "x86_64")
+    fresh_choice.setattr(cpu, "cpu_flags", lambda: xeon)
+    fresh_choice.setattr(cpu, "built", lambda: list(cpu.levels("x86_64")))
+    fresh_choice.setattr(cpu, "_request_amx", lambda: errno_)
+    cpu.amx.cache_clear()
+    c = cpu.choice()
+    if errno_ == 0:
+        assert (cpu.amx(), c.level, c.reason) == ("granted", "amx_bf16", "the best this CPU runs")
+        return
+    assert cpu.amx().startswith("refused by Linux") and os.strerror(errno_) in cpu.amx()
+    assert c.level == c.ceiling == "avx512_bf16" and "not amx_bf16: AMX tile state refused" in c.reason
+    assert cpu.runnable(cpu.usable_flags())[-1] == "avx512_bf16"
+    fresh_choice.setenv("KVSEAL_ISA", "amx_bf16")
+    cpu.choice.cache_clear()
+    with pytest.raises(cpu.LevelError, match="KVSEAL_ISA=amx_bf16: this CPU has AMX, but its tile state was refused"):
+        cpu.choice()
 
 
 def test_a_level_the_cpu_cannot_run_is_refused_naming_what_it_lacks():
@@ -65,6 +90,8 @@ def test_env_reports_the_forced_level_and_auto_dtype():
     assert f["onednn_bf16"] is False and "avx2" in f["features"] and f["compiler"]
     top = json.loads(_kvseal("env", "--json").stdout)
     assert top["kernels"] == KERNEL_LEVELS[-1] and top["forced"] is None
+    assert top["amx"] == cpu.amx() and (top["amx"] == "absent") == (not set(cpu.AMX) <= cpu.cpu_flags())
+    assert cpu._request_amx() != 0 or set(cpu.AMX) <= cpu.cpu_flags()  # the real call: no tiles lent without AMX
     assert top["dtype"] == ("bf16" if "avx512_bf16" in cpu.cpu_flags() or "amx_bf16" in cpu.cpu_flags() else "fp32")
     import torch
 

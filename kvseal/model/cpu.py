@@ -3,8 +3,9 @@
 The kernels in ``csrc/`` are compiled once per level by the normal install (``setup.py``), never with
 ``-march=native``: ``generic`` (baseline x86-64 or aarch64, vectorized by the compiler only), ``avx2``
 (x86-64-v3: AVX2, FMA, F16C), ``avx512`` (x86-64-v4: AVX-512 F/BW/DQ/VL), ``avx512_bf16`` (plus AVX-512
-BF16 dot products) and ``amx_bf16`` (plus AMX tiles, whose bf16 GEMM is the one change). At start the process loads the highest level that this CPU runs and the install built,
-as oneDNN and llama.cpp's ggml-cpu pick theirs. ``KVSEAL_ISA=LEVEL`` forces a lower one (for tests, and for
+BF16 dot products) and ``amx_bf16`` (plus AMX tiles, whose bf16 GEMM is the one change; only where Linux lends
+the process the tile state). At start the process loads the highest level that this CPU runs and the install
+built, as oneDNN and llama.cpp's ggml-cpu pick theirs. ``KVSEAL_ISA=LEVEL`` forces a lower one (for tests, and for
 a user who hits a bug in a higher one); a level this CPU cannot run is refused with the features it lacks.
 ``KVSEAL_KERNELS=off`` loads none: the plain PyTorch path, which runs wherever PyTorch runs.
 
@@ -86,6 +87,35 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+AMX = ("amx_tile", "amx_bf16")
+
+
+def _request_amx() -> int:
+    """Asks Linux to lend this process the AMX tile registers (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, Linux 5.16 on): 0 when it does, else the errno."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return 0 if libc.syscall(158, 0x1023, 18) == 0 else ctypes.get_errno()  # SYS_arch_prctl on x86-64
+
+
+@functools.cache
+def amx() -> str:
+    """``absent`` (the CPU has no AMX), ``granted``, or ``refused ...``: a CPU's AMX flags are a promise only
+    once Linux lends the process the tile state, which an older kernel or a sandbox filtering the call does not
+    (the kernels would then fall back to AVX-512 BF16 inside the GEMM, unsaid)."""
+    if arch() != "x86_64" or not set(AMX) <= cpu_flags():
+        return "absent"
+    err = _request_amx()
+    return "granted" if err == 0 else f"refused by Linux (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(err)})"
+
+
+def usable_flags() -> frozenset[str]:
+    """``cpu_flags()``, less AMX where Linux does not lend this process the tiles."""
+    flags = cpu_flags()
+    return flags - set(AMX) if amx().startswith("refused") else flags
+
+
 def levels(machine: str | None = None) -> dict[str, tuple[str, ...]]:
     return LEVELS.get(machine or arch(), {"generic": ()})
 
@@ -140,11 +170,13 @@ class Choice:
 @functools.cache
 def choice() -> Choice:
     """Reads ``KVSEAL_ISA`` and ``KVSEAL_KERNELS`` once per process; raises ``LevelError`` on a bad level."""
-    flags, have = cpu_flags(), built()
+    flags, have = usable_flags(), built()
     runs = runnable(flags)
     forced = os.environ.get("KVSEAL_ISA")
     if forced:
-        check_level(forced, flags)
+        check_level(forced, cpu_flags())
+        if forced not in runs:  # the CPU has it, Linux does not lend it
+            raise LevelError(f"KVSEAL_ISA={forced}: this CPU has AMX, but its tile state was {amx()}")
         ceiling = forced
     else:
         ceiling = runs[-1] if runs else "generic"
@@ -160,6 +192,8 @@ def choice() -> Choice:
         return Choice(None, ceiling, "no native kernels were built (no C++ compiler at install?): plain PyTorch")
     best = usable[-1]
     why = "the best this CPU runs" if best == runs[-1] else f"the best built ({runs[-1]} was not built)"
+    if amx().startswith("refused"):
+        why += f"; not amx_bf16: AMX tile state {amx()}"
     return Choice(best, ceiling, why)
 
 
