@@ -167,8 +167,9 @@ struct alignas(64) TileConfig {
   }
 };
 
-// Linux lends the 8 KB of tile state only to a process that asks (5.16 and later); asked once. Refused, the
-// level computes with vdpbf16ps instead (for the whole process, so results still do not depend on the step).
+// Linux lends the 8 KB of tile state only to a process that asks (5.16 and later). kvseal.model.cpu asks first
+// and does not load this level where Linux refuses; this second guard, asked once, keeps vdpbf16ps for the whole
+// process if the answer were ever no here (results still do not depend on the step).
 bool amx_ready() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
@@ -201,7 +202,8 @@ inline void amx_sums(const uint16_t* a, int64_t lda, const uint16_t* b0, const u
 }
 
 // Hands out the tasks (each reads one or two packed blocks: blocks(t, b0, b1) sets them and says how many) one
-// at a time, and for each, every chunk of up to 32 rows: f(t, first row, rows, the sums as amx_sums writes them).
+// at a time, and for each, every chunk of up to 32 rows: f(t, first row, rows, blocks, the sums as amx_sums
+// writes them).
 template <typename B, typename F>
 void amx_each(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t tasks, B&& blocks, F&& f) {
   const int64_t steps = k / 32, full = m - m % 32, rest = m % 32;
@@ -230,7 +232,7 @@ void amx_each(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t task
           amx_sums<1, 2>(a, ldx, b0, b1, steps, c);
         else
           amx_sums<1, 1>(a, ldx, b0, b1, steps, c);
-        f(t, r0, rows, c);
+        f(t, r0, rows, nb, c);
       }
     }
     if (loaded != nullptr) _tile_release();
@@ -247,8 +249,7 @@ void amx_gemm(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* packed,
              b1 = b0 + block;
              return blocks - 2 * t >= 2 ? 2 : 1;
            },
-           [&](int64_t t, int64_t r0, int64_t rows, const float* c) {
-             const int nb = blocks - 2 * t >= 2 ? 2 : 1;
+           [&](int64_t t, int64_t r0, int64_t rows, int nb, const float* c) {
              for (int64_t r = 0; r < rows; ++r)
                for (int j = 0; j < nb; ++j)
                  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * n + 32 * t + 16 * j),
@@ -266,7 +267,7 @@ void amx_gemm_silu(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* pa
              b1 = packed + (blocks + t) * block;
              return 2;
            },
-           [&](int64_t t, int64_t r0, int64_t rows, const float* c) {
+           [&](int64_t t, int64_t r0, int64_t rows, int, const float* c) {
              for (int64_t r = 0; r < rows; ++r) {
                const float* g = c + ((r / 16) * 2) * 256 + (r % 16) * 16;
                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * inter + 16 * t),
