@@ -103,9 +103,12 @@ void attend_ref(const T* q, const T* kv, const int64_t* pages, int64_t len, int6
 
 template <typename T>
 void check_decode(int64_t heads, int64_t kvh, int64_t d, int64_t ps) {
-  const int64_t layers = 2, n_pages = 48, b = 4, g = heads / kvh;
-  const int64_t lens[b] = {1, ps + 1, 5 * ps - 3, 37};
-  const int64_t w = 5 * ps > 37 ? 5 : (37 + ps - 1) / ps;
+  // 300 tokens: an fp32 pool's rows over 128 tokens run as spans merged after
+  const int64_t layers = 2, b = 5, g = heads / kvh;
+  const int64_t lens[b] = {1, ps + 1, 5 * ps - 3, 37, 300};
+  const int64_t w = (300 + ps - 1) / ps;
+  int64_t n_pages = b * w + 1;
+  while (n_pages % 7 == 0) ++n_pages;  // so that the pages below are distinct
   std::vector<int64_t> pages(b * w);
   for (int64_t i = 0; i < b * w; ++i) pages[i] = (i * 7 + 3) % n_pages;  // scattered, distinct
   auto kv = randoms<T>(n_pages * layers * 2 * kvh * ps * d);
