@@ -401,7 +401,8 @@ def test_api_keys_from_a_file_and_no_client_chosen_tenant(tmp_path, colocated):
     with pytest.raises(Unauthorized):
         t.authenticate("Bearer key-d")
     r = httpx.post(colocated.url + "/v1/completions", content=b" " * (17 << 20), timeout=60)
-    assert r.status_code == 413  # the front door bounds bodies too
+    assert r.status_code == 413  # the front door bounds bodies too, as the client's error
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == "payload_too_large"
     for field in ("tenant", "cache_salt", "worker"):  # nothing in the body picks a tenant, salt or worker
         r = httpx.post(colocated.url + "/v1/completions", timeout=30,
                        json={"model": MODEL, "prompt": "hi", "max_tokens": 1, field: "tenant-b"})

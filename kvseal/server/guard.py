@@ -27,6 +27,7 @@ log = logging.getLogger("kvseal.guard")
 class PayloadTooLarge(EngineError):
     status = 413
     code = "payload_too_large"
+    type = "invalid_request_error"  # the sender's to fix, as every 4xx but 429
 
 
 class RequestTimeout(EngineError):
