@@ -54,9 +54,10 @@ def test_kernel_matches_reference(kernel, dtype, tol, heads, kv_heads, dim, page
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("page", [16, 8])  # the fast path, the portable loop
 def test_long_contexts_match_the_reference_and_a_row_is_the_same_alone(kernel, dtype, tol, page):
-    """Rows of up to 900 tokens (57 pages) equal the reference, and a row's output is the same bits alone as
-    beside rows of other lengths: however the kernel hands out its work, a row's result must not depend on what
-    shares its step (the isolation probe compares answers across batches)."""
+    """Rows of up to 900 tokens (57 pages) equal the reference, either side of each boundary where an fp32
+    pool's context is split into spans (256, 512 tokens), and a row's output is the same bits alone as beside
+    rows of other lengths: the spans follow the row's own length, never the batch's, so a row's result does not
+    depend on what shares its step (the isolation probe compares answers across batches)."""
     gen = torch.Generator().manual_seed(page)
     heads, kv_heads, dim, layers = 9, 3, 64, 2
     lens = torch.tensor([255, 256, 257, 512, 513, 900, 1, 40])

@@ -6,6 +6,9 @@
 // PyTorch reference is kvseal.model.attention.decode_attention; tests/test_kernels.py holds the two equal.
 //
 // A C ABI, loaded with ctypes: no Python or PyTorch headers, so it builds in a second with any g++.
+#include <algorithm>
+#include <vector>
+
 #include "common.h"
 
 namespace {
@@ -23,6 +26,46 @@ inline const float* kp_f32(const uint16_t* src, float* buf, int64_t n) {
 constexpr int kMaxGroup = 16;
 constexpr int kMaxDim = 256;
 constexpr int kMaxPage = 128;
+
+// A context over kSpanTokens is split into spans of near-equal whole pages, at most kSpanTokens each, one task
+// each, merged after by their maxima (as flash-decoding does): one stream's few (row, kv head) tasks then fill
+// the cores. Where the spans fall depends on the row's own length alone, so a row's result does not depend on
+// what shares its step. Measured on a Zen 3 (2 cores, AVX2; SmolLM2's heads, 30 layers): one row of 512 / 900
+// tokens 1.89 -> 1.48 / 3.74 -> 3.04 ms; in an engine, a one-stream decode step at ~900 tokens 16.6 -> 16.1 ms
+// (medians of 4 interleaved runs); 32 rows of ~900 tokens 151.8 -> 149.2 ms a step (2 runs each: no loss).
+// fp32 pools only: the bf16 fast path (AVX-512 BF16) runs each (row, kv head) whole, as it did; a split there
+// is unmeasured (this was written on a CPU without it).
+constexpr int64_t kSpanTokens = 256;
+
+// a span's G accumulators (unnormalised), maxima and sums, as split_merge reads them: part[G * D + 2 * G]
+inline void leave_part(const float* acc, const float* m, const float* l, int64_t group, int64_t dim, float* part) {
+  std::memcpy(part, acc, sizeof(float) * group * dim);
+  std::memcpy(part + group * dim, m, sizeof(float) * group);
+  std::memcpy(part + group * dim + group, l, sizeof(float) * group);
+}
+
+// out[g] = the softmax-weighted sum over all n spans: each span's sums scaled by exp(its max - the max)
+inline void split_merge(const float* parts, int64_t n, int64_t group, int64_t dim, float* out) {
+  const int64_t stride = group * dim + 2 * group;
+  for (int64_t g = 0; g < group; ++g) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < n; ++s) mx = std::max(mx, parts[s * stride + group * dim + g]);
+    float l = 0.f;
+    float* o = out + g * dim;
+    for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
+    for (int64_t s = 0; s < n; ++s) {
+      const float* p = parts + s * stride;
+      const float w = std::exp(p[group * dim + g] - mx);
+      l += p[group * dim + group + g] * w;
+      const float* a = p + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] += a[d] * w;
+    }
+    const float inv = 1.f / l;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
+  }
+}
 
 // The bf16 fast path for 16-slot pages (AVX-512 BF16): a page's 16 keys are turned into 4 x 4 columns of
 // bf16 pairs (two rounds of unpacks), so one vdpbf16ps scores 4 keys against 4 query pairs, and the 16
@@ -149,8 +192,10 @@ inline FastTask fast_path(const uint16_t*, int64_t, int64_t, int64_t) { return n
 // Zen 4 held to AVX2 (30 layers of SmolLM2's heads): one row of 190 tokens 0.90 -> 0.55 ms, 32 rows of 192
 // 24.9 -> 21.8 ms; there both paths wait on memory (software prefetch of the next pages, as the bf16 path
 // does, measured no faster).
+// part: nullptr, or where a task over one span of a split context leaves its unnormalised sums (split_merge)
 using FastTaskF32 = void (*)(const float* q, const float* kv, const int64_t* pages, int64_t len,
-                             int64_t page_stride, int64_t head_off, int64_t v_off, float scale, float* out);
+                             int64_t page_stride, int64_t head_off, int64_t v_off, float scale, float* out,
+                             float* part);
 #if defined(__AVX2__)
 inline __m256 hsum8x8(const __m256 v[8]) {  // lane t = the sum of v[t]'s lanes
   const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
@@ -161,7 +206,7 @@ inline __m256 hsum8x8(const __m256 v[8]) {  // lane t = the sum of v[t]'s lanes
 
 template <int G, int NV>  // G queries per kv head, NV = head_dim / 8
 void fast_task_f32(const float* q, const float* kv, const int64_t* pages, int64_t len, int64_t page_stride,
-                   int64_t head_off, int64_t v_off, float scale, float* out) {
+                   int64_t head_off, int64_t v_off, float scale, float* out, float* part) {
   constexpr int D = 8 * NV, P = 16, CH = NV < 8 ? NV : 8;  // CH: accumulator vectors in registers at a time
   alignas(32) float qs[G][D], acc[G][D], pw[P];
   float m[G], l[G];
@@ -212,6 +257,10 @@ void fast_task_f32(const float* q, const float* kv, const int64_t* pages, int64_
       }
     }
   }
+  if (part != nullptr) {
+    leave_part(&acc[0][0], m, l, G, D, part);
+    return;
+  }
   for (int g = 0; g < G; ++g) {
     const float inv = 1.f / l[g];
     for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv;
@@ -227,6 +276,70 @@ inline FastTaskF32 fast_path(const float*, int64_t group, int64_t dim, int64_t p
 inline FastTaskF32 fast_path(const float*, int64_t, int64_t, int64_t) { return nullptr; }
 #endif
 
+// One (row, kv head) task over len tokens of the given pages, the portable loop: the final output, or with
+// part the span's sums for split_merge
+template <typename T>
+void portable_task(const T* q, const T* kv, const int64_t* pages, int64_t len, int64_t group, int64_t dim,
+                   int64_t page_size, int64_t page_stride, int64_t head_off, int64_t v_off, float scale, T* out,
+                   float* part) {
+  float qf[kMaxGroup][kMaxDim], acc[kMaxGroup][kMaxDim], m[kMaxGroup], l[kMaxGroup];
+  float s[kMaxGroup][kMaxPage];
+  alignas(64) float kbuf[kMaxPage * kMaxDim], vbuf[kMaxPage * kMaxDim];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < dim; ++d) {
+      qf[g][d] = to_f32(q[g * dim + d]) * scale;
+      acc[g][d] = 0.f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  for (int64_t p = 0; p * page_size < len; ++p) {
+    const int64_t n = len - p * page_size < page_size ? len - p * page_size : page_size;
+    const T* kp = kv + pages[p] * page_stride + head_off;
+    const T* vp = kp + v_off;
+    // one page's keys, then values, as fp32 (an fp32 pool's are read where they are): the loops below vectorize
+    const float* kf = kp_f32(kp, kbuf, n * dim);
+    const float* vf = kp_f32(vp, vbuf, n * dim);
+    for (int64_t g = 0; g < group; ++g) {
+      float mx = m[g];
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = kf + t * dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += qf[g][d] * k[d];
+        s[g][t] = dot;
+        mx = dot > mx ? dot : mx;
+      }
+      const float corr = std::exp(m[g] - mx);
+      m[g] = mx;
+      exp_shifted(s[g], n, mx);  // s[g][t] = exp(s[g][t] - mx), vectorized
+      float* a = acc[g];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) sum += s[g][t];
+      l[g] = l[g] * corr + sum;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = s[g][t];
+        const float* v = vf + t * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+      }
+    }
+  }
+  if (part != nullptr) {
+    for (int64_t g = 0; g < group; ++g) std::memcpy(part + g * dim, acc[g], sizeof(float) * dim);
+    std::memcpy(part + group * dim, m, sizeof(float) * group);
+    std::memcpy(part + group * dim + group, l, sizeof(float) * group);
+    return;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t d = 0; d < dim; ++d) from_f32(acc[g][d] * inv, out + g * dim + d);
+  }
+}
+
 template <typename T>
 void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, const int64_t* pages,
                       const int64_t* lens, int64_t batch, int64_t max_pages, int64_t heads, int64_t kv_heads,
@@ -236,71 +349,65 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* kv, T* out, con
   const int64_t page_stride = layers * 2 * kv_heads * row;
   const int64_t layer_off = layer * 2 * kv_heads * row;
   const auto fast = fast_path(q, group, dim, page_size);
+  // spans: row b's tasks are first[b] .. first[b + 1], kv head by kv head, each head's spans in order
+  const int64_t span_pages = sizeof(T) == 4 ? std::max<int64_t>(1, kSpanTokens / page_size)
+                                             : std::max<int64_t>(1, max_pages);
+  const auto n_pages = [&](int64_t b) { return (lens[b] + page_size - 1) / page_size; };
+  // (the caller's buffers, grown and never cleared: every span writes its part whole; the team reads them
+  // through the pointers, as a thread_local names each thread's own)
+  thread_local std::vector<int64_t> first_buf;
+  thread_local std::vector<float> parts_buf;
+  first_buf.assign(batch + 1, 0);
+  int64_t* first = first_buf.data();
+  for (int64_t b = 0; b < batch; ++b)
+    first[b + 1] = first[b] + kv_heads * std::max<int64_t>(1, (n_pages(b) + span_pages - 1) / span_pages);
+  const int64_t tasks = first[batch];
+  const int64_t part_stride = group * dim + 2 * group;
+  const bool split = tasks > batch * kv_heads;
+  if (split && parts_buf.size() < static_cast<size_t>(tasks * part_stride)) parts_buf.resize(tasks * part_stride);
+  float* parts = parts_buf.data();
   // One stream's few tasks: the native layer loop calls this right after the QKV GEMM, while the team still
   // spins, so handing them out costs no wake-up. Served at one stream (Zen 4, interleaved): an fp32 pool
   // gains at every length (128 -> 128 tokens: 78 -> 81 tok/s; 850 -> 128: 37.8 -> 41.7); a bf16 pool's pages
   // are half the work, and it gains from ~128 pages of tasks (850 -> 128: 57 -> 59) but lost 4% below.
-  const bool wide = batch * kv_heads > 1 && (sizeof(T) == 4 || batch * kv_heads * max_pages >= 128);
-#pragma omp parallel for schedule(dynamic, 1) if (wide)
-  for (int64_t task = 0; task < batch * kv_heads; ++task) {
-    const int64_t b = task / kv_heads, h = task % kv_heads;
-    if (fast != nullptr) {
-      fast(q + b * q_row_stride + h * group * dim, kv, pages + b * max_pages, lens[b], page_stride,
-           layer_off + h * row, kv_heads * row, scale, out + (b * heads + h * group) * dim);
-      continue;
-    }
-    float qf[kMaxGroup][kMaxDim], acc[kMaxGroup][kMaxDim], m[kMaxGroup], l[kMaxGroup];
-    float s[kMaxGroup][kMaxPage];
-    alignas(64) float kbuf[kMaxPage * kMaxDim], vbuf[kMaxPage * kMaxDim];
-    for (int64_t g = 0; g < group; ++g) {
-      const T* qp = q + b * q_row_stride + (h * group + g) * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        qf[g][d] = to_f32(qp[d]) * scale;
-        acc[g][d] = 0.f;
-      }
-      m[g] = -INFINITY;
-      l[g] = 0.f;
-    }
-    const int64_t len = lens[b];
-    for (int64_t p = 0; p * page_size < len; ++p) {
-      const int64_t n = len - p * page_size < page_size ? len - p * page_size : page_size;
-      const T* kp = kv + pages[b * max_pages + p] * page_stride + layer_off + h * row;
-      const T* vp = kp + kv_heads * row;
-      // one page's keys, then values, as fp32 (an fp32 pool's are read where they are): the loops below vectorize
-      const float* kf = kp_f32(kp, kbuf, n * dim);
-      const float* vf = kp_f32(vp, vbuf, n * dim);
-      for (int64_t g = 0; g < group; ++g) {
-        float mx = m[g];
-        for (int64_t t = 0; t < n; ++t) {
-          const float* k = kf + t * dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qf[g][d] * k[d];
-          s[g][t] = dot;
-          mx = dot > mx ? dot : mx;
+  const bool wide = tasks > 1 && (sizeof(T) == 4 || tasks * max_pages >= 128);
+#pragma omp parallel if (wide)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = std::upper_bound(first, first + batch + 1, task) - first - 1;
+      const int64_t n_spans = (first[b + 1] - first[b]) / kv_heads;
+      const int64_t h = (task - first[b]) / n_spans, sp = (task - first[b]) % n_spans;
+      // n_spans spans of near-equal page counts
+      const int64_t p0 = sp * n_pages(b) / n_spans, p1 = (sp + 1) * n_pages(b) / n_spans;
+      const int64_t len = std::min(lens[b], p1 * page_size) - p0 * page_size;
+      const T* qp = q + b * q_row_stride + h * group * dim;
+      T* op = out + (b * heads + h * group) * dim;
+      float* part = n_spans > 1 ? parts + task * part_stride : nullptr;
+      const int64_t* pg = pages + b * max_pages + p0;
+      if constexpr (sizeof(T) == 4) {
+        if (fast != nullptr) {
+          fast(qp, kv, pg, len, page_stride, layer_off + h * row, kv_heads * row, scale, op, part);
+          continue;
         }
-        const float corr = std::exp(m[g] - mx);
-        m[g] = mx;
-        exp_shifted(s[g], n, mx);  // s[g][t] = exp(s[g][t] - mx), vectorized
-        float* a = acc[g];
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) sum += s[g][t];
-        l[g] = l[g] * corr + sum;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
-        for (int64_t t = 0; t < n; ++t) {
-          const float w = s[g][t];
-          const float* v = vf + t * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+      } else if (fast != nullptr) {
+        fast(qp, kv, pg, len, page_stride, layer_off + h * row, kv_heads * row, scale, op);
+        continue;
+      }
+      portable_task(qp, kv, pg, len, group, dim, page_size, page_stride, layer_off + h * row, kv_heads * row,
+                    scale, op, part);
+    }
+    if (split) {
+#pragma omp for schedule(static)
+      for (int64_t bh = 0; bh < batch * kv_heads; ++bh) {
+        const int64_t b = bh / kv_heads, h = bh % kv_heads;
+        const int64_t n_spans = (first[b + 1] - first[b]) / kv_heads;
+        if (n_spans > 1) {
+          if constexpr (sizeof(T) == 4)
+            split_merge(parts + (first[b] + h * n_spans) * part_stride, n_spans, group, dim,
+                        out + (b * heads + h * group) * dim);
         }
       }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      T* op = out + (b * heads + h * group + g) * dim;
-      const float inv = 1.f / l[g];
-      for (int64_t d = 0; d < dim; ++d) from_f32(acc[g][d] * inv, op + d);
     }
   }
 }
