@@ -27,6 +27,19 @@ def test_the_install_built_the_levels_this_cpu_runs():
     assert set(cpu.runnable(cpu.cpu_flags())) <= set(cpu.built()), cpu.built()
 
 
+def _against_reference(kernel, q, kv, layer, pages, lens, tol) -> torch.Tensor:
+    """The kernel's output for one layer, held to the plain-PyTorch reference over gathered pages."""
+    width, page = pages.shape[1], kv.shape[4]
+    rows = gather_rows(kv, pages)
+    mask = torch.arange(width * page)[None, :] < lens[:, None]
+    ref = decode_attention(q.float(), gather_kv(kv, rows, layer, 0).float(), gather_kv(kv, rows, layer, 1).float(),
+                           mask)
+    got = kernel(q, kv, layer, pages, lens)
+    assert got.dtype == kv.dtype
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+    return got
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim,page", [
     (9, 3, 64, 16), (8, 8, 32, 16), (12, 2, 128, 16), (16, 2, 64, 16),  # bf16 fast path: 16-slot pages
@@ -42,13 +55,7 @@ def test_kernel_matches_reference(kernel, dtype, tol, heads, kv_heads, dim, page
     # queries as the model has them: rows of a wider [n, heads + kv_heads, dim] tensor
     q = torch.randn(len(lens), heads + kv_heads, dim, generator=gen).to(dtype)[:, :heads]
     for layer in range(layers):
-        rows = gather_rows(kv, pages)
-        mask = torch.arange(width * page)[None, :] < lens[:, None]
-        ref = decode_attention(q.float(), gather_kv(kv, rows, layer, 0).float(), gather_kv(kv, rows, layer, 1).float(),
-                               mask)
-        got = kernel(q, kv, layer, pages, lens)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+        _against_reference(kernel, q, kv, layer, pages, lens, tol)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -67,12 +74,7 @@ def test_long_contexts_match_the_reference_and_a_row_is_the_same_alone(kernel, d
     pages = torch.randperm(n_pages, generator=gen)[: len(lens) * width].view(len(lens), width).contiguous()
     q = torch.randn(len(lens), heads + kv_heads, dim, generator=gen).to(dtype)[:, :heads]
     for layer in range(layers):
-        rows = gather_rows(kv, pages)
-        mask = torch.arange(width * page)[None, :] < lens[:, None]
-        ref = decode_attention(q.float(), gather_kv(kv, rows, layer, 0).float(), gather_kv(kv, rows, layer, 1).float(),
-                               mask)
-        got = kernel(q, kv, layer, pages, lens)
-        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+        got = _against_reference(kernel, q, kv, layer, pages, lens, tol)
         for i in (0, 2, 5):
             alone = kernel(q[i:i + 1], kv, layer, pages[i:i + 1], lens[i:i + 1])
             assert torch.equal(alone, got[i:i + 1]), f"row {i} ({int(lens[i])} tokens) alone differs"
