@@ -1,8 +1,9 @@
 // Paged decode attention that reads K/V in place from kvseal's page-major pool (no gather copy).
 //
 // Pool layout kv[page, layer, 0|1, kv_head, slot, head_dim]; one query token per request; grouped-query
-// heads (H = G * KVH). One (request, kv_head) pair is one task: its G queries walk the request's pages in
-// order with an online softmax, in fp32, and the result is rounded once to the pool's dtype. The plain
+// heads (H = G * KVH). One (request, kv_head) pair is one task (an fp32 pool's long context: one task per span
+// of its pages, merged after; see kSpanTokens): its G queries walk the pages in order with an online softmax,
+// in fp32, and the result is rounded once to the pool's dtype. The plain
 // PyTorch reference is kvseal.model.attention.decode_attention; tests/test_kernels.py holds the two equal.
 //
 // A C ABI, loaded with ctypes: no Python or PyTorch headers, so it builds in a second with any g++.
@@ -37,9 +38,11 @@ constexpr int kMaxPage = 128;
 // is unmeasured (this was written on a CPU without it).
 constexpr int64_t kSpanTokens = 256;
 
-// a span's G accumulators (unnormalised), maxima and sums, as split_merge reads them: part[G * D + 2 * G]
-inline void leave_part(const float* acc, const float* m, const float* l, int64_t group, int64_t dim, float* part) {
-  std::memcpy(part, acc, sizeof(float) * group * dim);
+// a span's G accumulators (unnormalised; query g's at acc + g * acc_stride), maxima and sums, as split_merge
+// reads them: part[G * D + 2 * G]
+inline void leave_part(const float* acc, int64_t acc_stride, const float* m, const float* l, int64_t group,
+                       int64_t dim, float* part) {
+  for (int64_t g = 0; g < group; ++g) std::memcpy(part + g * dim, acc + g * acc_stride, sizeof(float) * dim);
   std::memcpy(part + group * dim, m, sizeof(float) * group);
   std::memcpy(part + group * dim + group, l, sizeof(float) * group);
 }
@@ -258,7 +261,7 @@ void fast_task_f32(const float* q, const float* kv, const int64_t* pages, int64_
     }
   }
   if (part != nullptr) {
-    leave_part(&acc[0][0], m, l, G, D, part);
+    leave_part(&acc[0][0], D, m, l, G, D, part);
     return;
   }
   for (int g = 0; g < G; ++g) {
@@ -329,9 +332,7 @@ void portable_task(const T* q, const T* kv, const int64_t* pages, int64_t len, i
     }
   }
   if (part != nullptr) {
-    for (int64_t g = 0; g < group; ++g) std::memcpy(part + g * dim, acc[g], sizeof(float) * dim);
-    std::memcpy(part + group * dim, m, sizeof(float) * group);
-    std::memcpy(part + group * dim + group, l, sizeof(float) * group);
+    leave_part(&acc[0][0], kMaxDim, m, l, group, dim, part);
     return;
   }
   for (int64_t g = 0; g < group; ++g) {
