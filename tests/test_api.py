@@ -67,6 +67,7 @@ def test_completions_with_stop_and_seed(client):
     ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 33}, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions"),  # the old API: not served
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, "max_tokens"),

@@ -186,3 +186,114 @@ def test_tokenize_detokenize_round_trip(server):
     assert chat["count"] > t["count"]
     bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+# -- tools: named and "required" calls, constrained to the tools' schemas as vLLM serves them on any model -------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
+
+
+def streamed_calls(chunks) -> dict[int, dict]:
+    """A stream's tool-call deltas put together, by call index."""
+    out: dict[int, dict] = {}
+    for ch in chunks:
+        for c in ch.choices:
+            for d in c.delta.tool_calls or ():
+                call = out.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or d.id
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    return out
+
+
+def test_a_named_tool_call_is_its_functions_arguments_whole_and_streamed(client):
+    kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 60, "temperature": 0,
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = client.chat.completions.create(**kw)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and m.content is None and len(m.tool_calls) == 1, m
+    call = m.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    got = streamed_calls(chunks)
+    assert list(got) == [0] and got[0]["name"] == "get_weather" and got[0]["id"].startswith("call_")
+    assert got[0]["arguments"] == call.function.arguments  # greedy: the same arguments, in pieces
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+@pytest.mark.parametrize("parallel,temperature", [(True, 0), (False, 0), (True, 1.0)])
+def test_required_tool_calls_each_follow_their_tools_schema(client, parallel, temperature):
+    """Greedy, this model calls both tools (on a Zen 3, fp32): ``parallel_tool_calls: false`` holds it to one."""
+    kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 120,
+          "temperature": temperature, "seed": 11, "parallel_tool_calls": parallel}
+    r = client.chat.completions.create(**kw)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop" and calls and (parallel or len(calls) == 1), r.choices[0].message
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    got = streamed_calls(client.chat.completions.create(stream=True, **kw))  # greedy or seeded: the same calls
+    assert [(g["name"], json.loads(g["arguments"])) for g in got.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    assert len({g["id"] for g in got.values()}) == len(got)
+
+
+def test_a_conversation_with_calls_and_their_answers_reaches_the_model(client, server):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees"}]
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=30).json()
+    text = httpx.post(server.url + "/detokenize", json={"tokens": prompt["tokens"]}, timeout=30).json()["prompt"]
+    # this model's template knows no tool calls: the call is shown in the assistant's turn, the answer in its own
+    assert '"name": "get_weather"' in text and '"city": "Paris"' in text and "Sunny, 21 degrees" in text, text
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=12, temperature=0)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    wait_pages_back(server)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto", the default with tools: no parser of this model's format
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+])
+def test_tool_requests_kvseal_cannot_serve_are_400s_naming_the_field(server, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4} | body,
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_template_that_knows_tool_calls_gets_them_with_their_arguments_as_objects():
+    import jinja2
+
+    from kvseal.server.schema import Message
+    from kvseal.server.tools import template_messages
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    msgs = [Message.model_validate(m) for m in (
+        ASK[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"})]
+    knows = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+             "<call {{ c.function.name }} {{ c.function.arguments.zone }}>{% endfor %}"
+             "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %};{% endfor %}")
+    rendered = jinja2.Environment().from_string(knows).render(messages=template_messages(msgs, knows))
+    assert rendered.endswith("assistant:<call get_time UTC>;tool:12:00(call_1);"), rendered
+    plain = template_messages(msgs, "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert json.loads(plain[1]["content"]) == [{"name": "get_time", "arguments": {"zone": "UTC"}}]

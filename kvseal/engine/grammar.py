@@ -33,6 +33,11 @@ def compile_response_format(fmt: dict | None) -> str | None:
         if not isinstance(schema, dict):
             raise BadRequest("response_format.json_schema.schema must be a JSON schema object",
                              param="response_format")
+    return compile_json_schema(schema, "response_format")
+
+
+def compile_json_schema(schema: dict, param: str) -> str:
+    """A JSON schema → an llguidance grammar string; 400 naming ``param`` if it cannot be compiled."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
                                                                 defaults={"whitespace_flexible": False})
@@ -40,7 +45,7 @@ def compile_response_format(fmt: dict | None) -> str | None:
     except (ValueError, TypeError, RuntimeError) as e:
         err = str(e)
     if err:
-        raise BadRequest(f"response_format: the schema cannot be compiled: {err}", param="response_format")
+        raise BadRequest(f"{param}: the schema cannot be compiled: {err}", param=param)
     return grammar
 
 

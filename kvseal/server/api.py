@@ -45,6 +45,8 @@ from kvseal.server.schema import ChatRequest, CompletionRequest, DetokenizeReque
 from kvseal.server.served import Served
 from kvseal.server.tenants import Tenants
 from kvseal.server.text import TextStream, TokenStrings
+from kvseal.server.tools import grammar as tool_grammar
+from kvseal.server.tools import template_messages
 
 log = logging.getLogger("kvseal.api")
 
@@ -210,7 +212,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     async def chat(request: Request) -> Response:
         backend.check_capacity()
         req = await parse(request, ChatRequest)
-        return await serve(request, req, [chat_prompt(req.messages, True)], chat=True)
+        return await serve(request, req, [chat_prompt(req.messages, True, req.tools)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -229,7 +231,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         if (req.prompt is None) == (req.messages is None):
             raise BadRequest("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = chat_prompt(req.messages, req.add_generation_prompt)
+            ids = chat_prompt(req.messages, req.add_generation_prompt, req.tools)
         else:
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": backend.context_window, "tokens": ids,
@@ -243,10 +245,11 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
             raise BadRequest(f"token ids must be in 0..{vocab - 1}", param="tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
-    def chat_prompt(messages: list, generation_prompt: bool) -> list[int]:
-        msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
+    def chat_prompt(messages: list, generation_prompt: bool, tools: list | None = None) -> list[int]:
+        msgs = template_messages(messages, str(getattr(tokenizer, "chat_template", None) or ""))
+        described = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=True,
-                                                  return_dict=False))
+                                                  return_dict=False, **described))
 
     def encode(p: str | list[int]) -> list[int]:
         if isinstance(p, str):
@@ -263,6 +266,9 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                                 f"{', '.join(map(repr, served.names))}", param="model")
         with_defaults(req, served.defaults)
         grammar = compile_response_format(req.response_format.spec()) if req.response_format else None
+        forced = req.forced_tool if chat else None
+        if forced is not None:
+            grammar = tool_grammar(forced, req.tools, req.parallel_tool_calls)
         common = {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(req.top_k, 0),
                   "min_p": req.min_p, "stop": tuple(req.stop), "stop_token_ids": tuple(req.stop_token_ids or ()),
                   "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "logprobs": req.top_logprobs_k,
@@ -291,7 +297,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         for (prompt, _), r in zip(plans, leaders):
             metrics.cache_lookup(tenant, len(prompt), r.cached_tokens)
         fmt = Formatter(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), req.model, chat, strings,
-                        sum(len(p) for p in prompts), sum(r.cached_tokens for r in leaders))
+                        sum(len(p) for p in prompts), sum(r.cached_tokens for r in leaders), forced)
         want = req.top_logprobs_k is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -21,6 +21,7 @@ from kvseal.engine.request import Event
 from kvseal.errors import EngineError
 from kvseal.server.metrics import Metrics
 from kvseal.server.text import TextStream, TokenStrings
+from kvseal.server.tools import StreamedCalls, calls
 from kvseal.transfer.messages import Logprob
 
 log = logging.getLogger("kvseal.api")
@@ -95,9 +96,11 @@ class Formatter:
     """OpenAI's response shapes for chat and completions: choices, logprobs, usage."""
 
     def __init__(self, ident: str, model: str, chat: bool, strings: TokenStrings, n_prompt: int,
-                 cached: int = 0) -> None:
+                 cached: int = 0, forced_tool: object = None) -> None:
         self.ident, self.model, self.chat, self.strings, self.n_prompt = ident, model, chat, strings, n_prompt
         self.cached = cached
+        self.forced_tool = forced_tool  # a Tool or "required": the output is tool calls (server/tools.py)
+        self.streamed: dict[int, StreamedCalls] = {}
         self.created = int(time.time())
 
     def usage(self, replies: list[Reply]) -> dict:
@@ -112,10 +115,15 @@ class Formatter:
         if not self.chat:
             return {"index": r.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         if delta:
-            d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            if self.forced_tool is not None:
+                d = self.streamed.setdefault(r.index, StreamedCalls(self.forced_tool)).delta(text, first, finish)
+            else:
+                d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": r.index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
-        return {"index": r.index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                "logprobs": logprobs}
+        message = {"role": "assistant", "content": text}
+        if self.forced_tool is not None and (made := calls(self.forced_tool, text)) is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": made}
+        return {"index": r.index, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
     def logprobs(self, r: Reply, lps: tuple[Logprob, ...]) -> dict:
         s = self.strings
@@ -214,7 +222,9 @@ async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_lo
                 yield b"data: [DONE]\n\n"
                 return
             elif item.text or item.finish or item.logprobs and want_logprobs:
-                yield fmt.chunk([fmt.choice(r, item.text, lp(item), delta=True, finish=item.finish)])
+                c = fmt.choice(r, item.text, lp(item), delta=True, finish=item.finish)
+                if c["delta"] or c["finish_reason"] or c["logprobs"]:  # a tool call's text may wait for its end
+                    yield fmt.chunk([c])
         replies[0].metrics.finished(200, replies[0].tenant)
         if include_usage:
             yield fmt.chunk([], fmt.usage(replies))

@@ -25,12 +25,48 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one of them
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -126,6 +162,9 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, min_length=1)  # OpenAI: [] is too short
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -133,6 +172,24 @@ class ChatRequest(Sampling):
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if not self.messages:
             raise BadRequest("messages must not be empty", param="messages")
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise BadRequest(f"messages.{i}.content: only an assistant message with tool_calls may leave "
+                                 "it out", param=f"messages.{i}.content")
+            if (m.role == "tool") != (m.tool_call_id is not None):
+                raise BadRequest(f"messages.{i}: a tool message, and only one, names its tool_call_id",
+                                 param=f"messages.{i}.tool_call_id")
+            if m.tool_calls and m.role != "assistant":
+                raise BadRequest(f"messages.{i}: only an assistant message has tool_calls",
+                                 param=f"messages.{i}.tool_calls")
+        check_tools(self)
+
+    @property
+    def forced_tool(self) -> Tool | Literal["required"] | None:
+        """What the output must be: one call of the named tool, one or more calls ("required"), or free text."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return next(t for t in self.tools or () if t.function.name == self.tool_choice.function.name)
+        return "required" if self.tool_choice == "required" else None
 
     @property
     def top_logprobs_k(self) -> int | None:
@@ -141,6 +198,30 @@ class ChatRequest(Sampling):
     @property
     def max_new(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def check_tools(req: ChatRequest) -> None:
+    """The tool choices kvseal serves: a named function and "required" (constrained to the tools' schemas, as
+    vLLM serves them on any model) and "none". "auto" needs a parser of the model's own tool-call format, which
+    kvseal does not have: a 400, as vLLM answers without ``--enable-auto-tool-choice``."""
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) < len(names):
+        raise BadRequest("tools: two tools share a name", param="tools")
+    choice = req.tool_choice
+    if not names:
+        if choice is not None and choice != "none":
+            raise BadRequest("tool_choice is only allowed when tools are given", param="tool_choice")
+        return
+    if choice is None or choice == "auto":
+        raise BadRequest('tool_choice "auto" (the default when tools are given) needs a parser of the model\'s own '
+                         'tool-call format, which kvseal does not have; ask for "required" or a named function '
+                         '(the output then follows the tools\' schemas) or "none"', param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                         param="tool_choice")
+    if choice != "none" and req.response_format is not None and req.response_format.type != "text":
+        raise BadRequest("response_format and a tool choice both set the output's form: give one",
+                         param="response_format")
 
 
 class CompletionRequest(Sampling):
@@ -175,6 +256,7 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
 
