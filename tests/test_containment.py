@@ -11,6 +11,7 @@ from test_auth import services
 
 from kvseal.errors import BadRequest, EngineError
 from kvseal.server.guard import contained
+from kvseal.server.reply import Piece
 from kvseal.transfer import messages as P
 
 
@@ -116,7 +117,7 @@ class Chunks:
 
 def test_a_stream_whose_choice_meets_a_bug_says_so_and_ends():
     """Before, the choice's pump died with the bug unreported and the stream waited for it for ever."""
-    from kvseal.server.reply import Piece, sse
+    from kvseal.server.reply import sse
 
     async def drain() -> list[bytes]:
         return [c async for c in sse([Broken()], [Piece("Hi")], Chunks(), False, False)]
@@ -124,6 +125,40 @@ def test_a_stream_whose_choice_meets_a_bug_says_so_and_ends():
     out = asyncio.run(asyncio.wait_for(drain(), 5))
     assert out[-1] == b"data: [DONE]\n\n"
     assert json.loads(out[-2].removeprefix(b"data: "))["error"]["code"] == "internal_error"
+
+
+class Pieces(Broken):
+    """A choice whose pieces come whole: the bug is in formatting them."""
+
+    def __init__(self) -> None:
+        self.left = ["lo", None]
+
+    async def next(self):
+        text = self.left.pop(0)
+        return None if text is None else Piece(text)
+
+
+class BrokenChunks(Chunks):
+    forced_tool = None
+
+    def choice(self, r, text: str, lps, delta: bool, first: bool = False, finish=None) -> dict:
+        if not first:
+            raise KeyError("delta")  # as a completions choice read as a chat one did (session 36)
+        return super().choice(r, text, lps, delta, first, finish)
+
+
+def test_a_stream_that_meets_a_bug_formatting_a_chunk_says_so_in_band():
+    """A bug in the stream's own loop (not in a choice's pump) cut the connection mid-body: the client saw
+    "incomplete chunked read" and no error. It is now an in-band error and [DONE], as a pump's bug is."""
+    from kvseal.server.reply import sse
+
+    async def drain() -> list[bytes]:
+        return [c async for c in sse([Pieces()], [Piece("Hel")], BrokenChunks(), False, False)]
+
+    out = asyncio.run(asyncio.wait_for(drain(), 5))
+    assert json.loads(out[0].removeprefix(b"data: ")) == [{"text": "Hel"}]
+    assert json.loads(out[-2].removeprefix(b"data: "))["error"]["code"] == "internal_error"
+    assert out[-1] == b"data: [DONE]\n\n"
 
 
 def test_a_router_step_that_meets_a_bug_answers_as_an_unanswered_worker():

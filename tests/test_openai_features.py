@@ -177,6 +177,14 @@ def test_completions_batch_echo_and_choice_order(client):
     assert r.choices[0].text == r.choices[1].text and r.usage.completion_tokens == 16
 
 
+def test_a_streamed_completion_equals_the_whole_one(client):
+    kw = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text and chunks[-1].finish_reason == whole.finish_reason
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
+
+
 def test_tokenize_detokenize_round_trip(server):
     t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello, world!"}, timeout=30).json()
     assert t["count"] == len(t["tokens"]) > 1 and t["max_model_len"] == 8192

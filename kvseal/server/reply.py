@@ -223,11 +223,18 @@ async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_lo
                 return
             elif item.text or item.finish or item.logprobs and want_logprobs:
                 c = fmt.choice(r, item.text, lp(item), delta=True, finish=item.finish)
-                if c["delta"] or c["finish_reason"] or c["logprobs"]:  # a tool call's text may wait for its end
+                # a "required" tool call's text waits for its end: nothing to send until then
+                if fmt.forced_tool is None or c["delta"] or c["finish_reason"] or c["logprobs"]:
                     yield fmt.chunk([c])
         replies[0].metrics.finished(200, replies[0].tenant)
         if include_usage:
             yield fmt.chunk([], fmt.usage(replies))
+        yield b"data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - a bug here, as one in a pump: said in-band, never a cut connection
+        log.error("unhandled error in a stream of %s", fmt.ident, exc_info=e)
+        err = EngineError(f"internal error ({type(e).__name__})")
+        replies[0].metrics.finished(err.status, replies[0].tenant)
+        yield f"data: {json.dumps({'error': err.to_dict()})}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
         await close_all(replies, tasks)
