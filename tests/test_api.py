@@ -160,12 +160,27 @@ FIELDS = {  # a value of the field's type, often in range; or any JSON at all
     "logprobs": st.booleans() | ints(0, 21), "top_logprobs": ints(0, 21), "ignore_eos": st.booleans(),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])}),
     "max_completion_tokens": ints(0, 3), "add_special_tokens": st.booleans(),
-    "tokens": st.lists(ints(-2, 50_000), max_size=3)}
+    "tokens": st.lists(ints(-2, 50_000), max_size=3),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g", "bad name"])},
+        optional={"parameters": st.sampled_from([{"type": "object"}, {"type": "no-such-type"}, {},
+                                                 {"type": "object", "properties": {"a": {"type": "integer"}}}])})}),
+        max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}),
+    "parallel_tool_calls": st.booleans()}
 INT_FIELDS = ["max_tokens", "max_completion_tokens", "seed", "n", "top_k", "min_tokens", "logprobs", "top_logprobs"]
 MESSAGES = st.lists(st.fixed_dictionaries({
-    "role": st.sampled_from(["user", "system", "assistant", "developer"]),
+    "role": st.sampled_from(["user", "system", "assistant", "developer", "tool"]),
     "content": st.text(max_size=20) | st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                       "text": st.text(max_size=8)}), max_size=2)}),
+                                                                       "text": st.text(max_size=8)}), max_size=2)
+    | st.none()}, optional={
+    "tool_call_id": st.text(max_size=4),
+    "tool_calls": st.lists(st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"),
+                                                  "function": st.fixed_dictionaries({
+                                                      "name": st.text(max_size=4),
+                                                      "arguments": st.sampled_from(["{}", '{"a": 1}', "[", ""])})}),
+                           max_size=2)}),
     min_size=1, max_size=3)
 PATHS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
 
