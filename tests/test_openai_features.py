@@ -153,6 +153,21 @@ def test_json_object_and_a_schema_that_cannot_compile(client, server):
     wait_pages_back(server)
 
 
+def test_min_tokens_beside_a_grammar_ends_where_the_grammar_ends(client, server):
+    """response_format with min_tokens past the JSON's end was a 500 at temperature 1 (no token left to draw)
+    for this request and every request in its step, and at temperature 0 ran on to min_tokens with token 0."""
+    closed = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # {"ok":true} or {"ok":false}, then nothing but its end
+    for temperature in (0, 1.0):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}], max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": closed}},
+            temperature=temperature, seed=2, extra_body={"min_tokens": 30})
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 30, r
+        assert json.loads(r.choices[0].message.content) in ({"ok": True}, {"ok": False})
+    wait_pages_back(server)
+
+
 def test_logprobs_of_tokens_a_grammar_rules_out_are_floored_as_openai_reports_them(client, server):
     """With JSON output most tokens have logprob -inf, which JSON cannot carry: once the whole answer was a 500
     (colocated), "-Infinity" in a stream, and a 503 "malformed ack" from the prefill worker (disaggregated)."""

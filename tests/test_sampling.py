@@ -124,3 +124,60 @@ def test_the_grammar_mask_allows_exactly_the_bits_llguidance_sets(bf16_model):
         mask_row(m, row)
         got = torch.isfinite(row).numpy()
         assert 0 < want.sum() < vocab and (got == want).all(), (want.sum(), got.sum())
+
+
+@pytest.mark.parametrize("allowed,want", [({2}, 2), ({2, 5}, 5)])
+def test_min_tokens_gives_way_to_a_grammar_that_has_ended(monkeypatch, allowed, want):
+    """A grammar that allows only EOS has ended: min_tokens's ban of EOS then left no token at all (a draw
+    failed, greedy took token 0). The grammar's end now ends the request; while the grammar allows anything
+    else, EOS stays banned."""
+    from kvseal.engine import grammar
+    monkeypatch.setattr(grammar, "allowed_tokens",
+                        lambda m, n: torch.isin(torch.arange(n), torch.tensor(sorted(allowed))))
+    for temperature in (0, 1.0):
+        matcher = type("Matcher", (), {"consume_token": lambda self, t: None})()
+        r = Row(SamplingParams(max_tokens=9, temperature=temperature, min_tokens=8, grammar="a grammar"), [5, 6],
+                [5, 6, 7], torch.Generator().manual_seed(1), matcher=matcher)
+        assert sample(logits()[None], [r])[0][0] == want
+
+
+def test_a_row_that_cannot_sample_fails_its_request_alone(fp32_model, monkeypatch):
+    """One row's sampling error failed the engine's step, and so every request batched with it (seen:
+    response_format with min_tokens at temperature 1 was a 500 for all of them). Now that row's request fails
+    (500) and the others finish."""
+    import threading
+
+    from engine_util import chat_ids, make_engine
+
+    from kvseal.engine import sampling
+    from kvseal.engine.sequence import Sequence
+    real = sampling.process
+
+    def process(x, r):
+        if r.params.presence_penalty == 1.5:
+            raise ValueError("a bug")
+        return real(x, r)
+
+    monkeypatch.setattr(sampling, "process", process)
+    engine = make_engine(fp32_model)
+    finals, done = {}, threading.Event()
+
+    def sink(rid):
+        def put(ev):
+            if ev.finish_reason:
+                finals[rid] = ev
+                if len(finals) == 3:
+                    done.set()
+        return put
+
+    try:
+        prompt = chat_ids(fp32_model, "Name a color.")
+        for rid, pp in ((1, 0.0), (2, 1.5), (3, 0.5)):
+            engine.submit(Sequence(rid, prompt, SamplingParams(max_tokens=6, temperature=0, presence_penalty=pp),
+                                   sink(rid)))
+        assert done.wait(120), "a request hung"
+    finally:
+        engine.stop()
+    assert finals[2].finish_reason == "error" and finals[2].error.status == 500, finals[2]
+    assert finals[1].error is None and finals[3].error is None, (finals[1], finals[3])
+    assert engine.pool.num_available == engine.pool.cfg.num_pages  # every page back, the failed one's too

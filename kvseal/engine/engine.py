@@ -14,6 +14,7 @@ transfer, grows their pages as they decode, and recomputes locally after a preem
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -35,6 +36,8 @@ from kvseal.kv.pool import PagePool, PageRun, PageState
 from kvseal.kv.prefix import PrefixCache
 from kvseal.kv.tags import tenant_tag
 from kvseal.model.llama import LlamaModel
+
+log = logging.getLogger("kvseal.engine")
 
 
 class Engine:
@@ -189,7 +192,11 @@ class Engine:
         logits = res.logits if len(done) == len(res.seqs) else res.logits[done]  # no copy in a decode step
         tokens = sample(logits, seqs)
         self._step_times["sample"] = time.perf_counter() - t0
-        for row, s, (tok, lp) in zip(done, seqs, tokens):
+        for row, s, got in zip(done, seqs, tokens):
+            if isinstance(got, Exception):
+                self._failed_sampling(s, got)
+                continue
+            tok, lp = got
             s.logprob = lp
             if s.rid in self.forks:
                 self._fork(s, res.logits[row])
@@ -363,9 +370,18 @@ class Engine:
         self.shared_tokens += n * len(same)
         if self.metrics:
             self.metrics.shared_tokens.inc(n * len(same))
-        for f, (tok, lp) in zip(same, sample(logits.expand(len(same), -1), same)):
-            f.logprob = lp
+        for f, got in zip(same, sample(logits.expand(len(same), -1), same)):
+            if isinstance(got, Exception):
+                self._failed_sampling(f, got)
+                continue
+            f.logprob, tok = got[1], got[0]
             self._advance(f, tok)
+
+    def _failed_sampling(self, s: Sequence, e: Exception) -> None:
+        """A row that could not draw its token: that request fails (500), its pages freed (its forward ran and
+        wrote them as any other); the step's other rows go on."""
+        log.error("request %s: sampling failed: %r", s.rid, e)
+        self._finish(s, "error", e if isinstance(e, EngineError) else EngineError(f"sampling failed: {e!r}"))
 
     def _advance(self, s: Sequence, token: int) -> None:
         first = s.num_output == 0

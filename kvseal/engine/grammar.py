@@ -83,10 +83,13 @@ def mask_row(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
     under one ``ATEN_CPU_CAPABILITY`` to a process under another (seen here: wrong masks, then a corrupted heap).
     Importing ``llguidance.torch`` at all costs ~2 s of every process start (it loads Dynamo and Inductor), so
     the bitmask is filled here through the matcher's own call."""
+    row.masked_fill_(~allowed_tokens(matcher, row.numel()), float("-inf"))
+
+
+def allowed_tokens(matcher: llguidance.LLMatcher, n: int) -> torch.Tensor:
+    """The tokens the grammar can take next, as a bool tensor [n]."""
     import torch  # here, not at the top: the router compiles grammars and never loads PyTorch
 
-    n = row.numel()
     bits = torch.full(((n + 31) // 32,), -1, dtype=torch.int32)
     matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
-    allowed = ((bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)[:n].bool()
-    row.masked_fill_(~allowed, float("-inf"))
+    return ((bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)[:n].bool()

@@ -4,7 +4,8 @@ A batch where every request is plain greedy takes one ``argmax``. A row that ask
 its own, in vLLM's order:
 
 1. ``logit_bias`` added to its tokens (OpenAI: -100..100, applied to the raw logits);
-2. ``min_tokens``: EOS and ``stop_token_ids`` banned until that many tokens were generated;
+2. ``min_tokens``: EOS and ``stop_token_ids`` banned until that many tokens were generated, unless a grammar
+   has ended (it allows nothing else): the grammar's end ends the request;
 3. ``repetition_penalty`` r over prompt and output tokens: a positive logit is divided by r, a negative one
    multiplied (CTRL, as vLLM and Hugging Face do);
 4. ``frequency_penalty`` f and ``presence_penalty`` p over output tokens: ``logit -= f * count + p * (count > 0)``
@@ -24,6 +25,7 @@ from typing import Protocol
 import torch
 
 from kvseal.engine.request import SamplingParams
+from kvseal.errors import EngineError
 from kvseal.transfer.messages import Logprob  # a wire type: it rides in Ack and token events
 
 
@@ -52,15 +54,21 @@ def make_generator(params: SamplingParams, offset: int = 0) -> torch.Generator |
     return g
 
 
-def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | None]]:
-    """logits [B, V] → one ``(token id, logprob or None)`` per row; a grammar row's matcher takes its token."""
+def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | None] | Exception]:
+    """logits [B, V] → one ``(token id, logprob or None)`` per row; a grammar row's matcher takes its token.
+
+    A row whose processing fails gives its exception instead, for the engine to fail that request alone: one
+    request's parameters must never fail the step of every request batched with it."""
     out = logits.argmax(dim=-1).tolist()
-    res: list[tuple[int, Logprob | None]] = []
+    res: list[tuple[int, Logprob | None] | Exception] = []
     for i, r in enumerate(rows):
         if r.params.plain:
             res.append((out[i], None))
             continue
-        res.append(_sample_row(logits[i].float().cpu(), r))  # a GPU's row: processed on the host, for now
+        try:
+            res.append(_sample_row(logits[i].float().cpu(), r))  # a GPU's row: processed on the host, for now
+        except Exception as e:  # noqa: BLE001 - this row's failure, not the batch's
+            res.append(e)
     return res
 
 
@@ -68,6 +76,8 @@ def _sample_row(row: torch.Tensor, r: Row) -> tuple[int, Logprob | None]:
     p = r.params
     if p.processed:
         row = process(row.clone(), r)
+        if not torch.isfinite(row).any():  # a draw would fail, an argmax would give token 0: neither is an answer
+            raise EngineError("the request's constraints leave no token to sample")
     if p.temperature > 0:
         row = row / p.temperature
     tok = int(row.argmax()) if p.greedy else _draw(row, p, r.generator)
@@ -82,10 +92,16 @@ def process(row: torch.Tensor, r: Row) -> torch.Tensor:
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias)
         row[torch.tensor(ids)] += torch.tensor(bias)
+    allowed = None
+    if r.matcher is not None:
+        from kvseal.engine.grammar import allowed_tokens
+
+        allowed = allowed_tokens(r.matcher, row.numel())
     if r.num_output < p.min_tokens:
-        ban = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_ids))
-        if ban:
-            row[torch.tensor(sorted(ban))] = float("-inf")
+        ban = torch.tensor(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_ids))),
+                           dtype=torch.int64)
+        if ban.numel() and (allowed is None or allowed.index_fill(0, ban, False).any()):
+            row[ban] = float("-inf")
     if p.repetition_penalty != 1:
         seen = torch.tensor(r.tokens).unique()
         v = row[seen]
@@ -94,10 +110,8 @@ def process(row: torch.Tensor, r: Row) -> torch.Tensor:
         counts = torch.bincount(torch.tensor(r.tokens[len(r.prompt):], dtype=torch.int64),
                                 minlength=row.numel())[: row.numel()].to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    if r.matcher is not None:
-        from kvseal.engine.grammar import mask_row
-
-        mask_row(r.matcher, row)
+    if allowed is not None:
+        row.masked_fill_(~allowed, float("-inf"))
     return row
 
 
