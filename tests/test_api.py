@@ -55,6 +55,16 @@ def test_chat_streaming_equals_non_streaming(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_a_vanishing_temperature_is_greedy(client):
+    """temperature 1e-40 divided the logits into infinities: a 500, and before that every request in the step
+    failed with it."""
+    kw = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 6, "logprobs": 1}
+    greedy = client.completions.create(temperature=0, **kw).choices[0]
+    for t in (1e-40, 5e-324):
+        got = client.completions.create(temperature=t, **kw).choices[0]
+        assert got.text == greedy.text and got.logprobs.token_logprobs == greedy.logprobs.token_logprobs
+
+
 def test_completions_with_stop_and_seed(client):
     r = client.completions.create(model=MODEL, prompt="One, two, three, four,", max_tokens=20, temperature=0, stop=[" six"])
     assert r.choices[0].finish_reason == "stop" and "six" not in r.choices[0].text

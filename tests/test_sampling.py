@@ -181,3 +181,13 @@ def test_a_row_that_cannot_sample_fails_its_request_alone(fp32_model, monkeypatc
     assert finals[2].finish_reason == "error" and finals[2].error.status == 500, finals[2]
     assert finals[1].error is None and finals[3].error is None, (finals[1], finals[3])
     assert engine.pool.num_available == engine.pool.cfg.num_pages  # every page back, the failed one's too
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 5e-324])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
+    """Logits over 1e-40 are infinities: the draw failed (a 500; before that, the step of every request batched
+    with it). Below 1e-5 a request is greedy, as in vLLM, with the logprobs of its processed logits."""
+    x = logits()
+    r = Row(SamplingParams(max_tokens=8, temperature=temperature, seed=1, logprobs=2), [1], [1])
+    (tok, lp), = sample(x[None], [r])
+    assert tok == int(x.argmax()) and lp.logprob == pytest.approx(float(torch.log_softmax(x, -1).max()))

@@ -22,6 +22,11 @@ def choice_seed(seed: int, choice: int) -> int:
     return (seed + choice - SEED_MIN) % 2**64 + SEED_MIN
 
 
+# A temperature below this samples greedily, as vLLM's does: dividing logits by 1e-40 gives infinities, and a draw
+# from them fails (it was a 500, and before that the failure of every request in the step)
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -55,7 +60,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def processed(self) -> bool:

@@ -15,7 +15,7 @@ its own, in vLLM's order:
    ``torch.Generator``, so a seeded request reproduces whatever it was batched with.
 
 Logprobs are the log-softmax of the row after steps 1–5 and temperature (the distribution the token is drawn
-from, before truncation; at temperature 0, of the processed logits): the chosen token's and the top ``k``.
+from, before truncation; at temperature 0 (below 1e-5, as vLLM), of the processed logits): the chosen token's and the top ``k``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from kvseal.engine.request import SamplingParams
+from kvseal.engine.request import GREEDY_BELOW, SamplingParams
 from kvseal.errors import EngineError
 from kvseal.transfer.messages import Logprob  # a wire type: it rides in Ack and token events
 
@@ -78,7 +78,7 @@ def _sample_row(row: torch.Tensor, r: Row) -> tuple[int, Logprob | None]:
         row = process(row.clone(), r)
         if not torch.isfinite(row).any():  # a draw would fail, an argmax would give token 0: neither is an answer
             raise EngineError("the request's constraints leave no token to sample")
-    if p.temperature > 0:
+    if p.temperature >= GREEDY_BELOW:
         row = row / p.temperature
     tok = int(row.argmax()) if p.greedy else _draw(row, p, r.generator)
     if r.matcher is not None:
