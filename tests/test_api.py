@@ -3,6 +3,7 @@
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -230,6 +231,58 @@ def test_any_json_body_is_served_or_refused_with_an_openai_error_never_a_500(col
     """The cases above were written by hand after a hand-run search found three 500s; this keeps searching
     (150 drawn requests, the same ones every run)."""
     served_or_refused(colocated.url + call[0], call[1])
+
+
+TOOL_SCHEMAS = [None, {"type": "object"}, {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}},
+                                            "required": ["n"], "additionalProperties": False},
+                {"type": "object", "properties": {"s": {"enum": ["a", "b"]}, "t": {"type": "boolean"}},
+                 "required": ["s"]}]
+
+
+@st.composite
+def tool_requests(draw) -> dict:
+    """A chat request with tools and a tool choice kvseal serves, and up to four other fields drawn."""
+    names = draw(st.lists(st.sampled_from(["f", "g", "h"]), min_size=1, max_size=3, unique=True))
+    schemas = [draw(st.sampled_from(TOOL_SCHEMAS)) for _ in names]
+    tools = [{"type": "function", "function": {"name": n} | ({"parameters": p} if p is not None else {})}
+             for n, p in zip(names, schemas)]
+    choice = draw(st.sampled_from(["none"] + ["required"] * 2 + [{"type": "function", "function": {"name": n}}
+                                                                  for n in names] * 2))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": draw(st.text(min_size=1, max_size=12))}],
+            "tools": tools, "tool_choice": choice, "max_tokens": draw(st.sampled_from([60, 2]))}
+    for k in draw(st.lists(st.sampled_from(["stream", "n", "logprobs", "top_logprobs", "temperature", "seed",
+                                            "parallel_tool_calls", "min_tokens", "stop", "stream_options"]),
+                           max_size=4, unique=True)):
+        body[k] = draw(FIELDS[k])
+    if type(body.get("n")) is int and body["n"] > 2:
+        body["n"] = 2
+    return body
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=tool_requests())
+def test_tool_requests_are_served_as_calls_that_follow_their_schemas_or_refused(colocated, body):
+    """Any mix of the fields with tools is a 200 or an OpenAI 4xx; a whole answer that stopped (not cut by
+    max_tokens or a stop string) under a forced choice is tool calls whose arguments follow their tool's
+    schema."""
+    served_or_refused(colocated.url + "/v1/chat/completions", body)
+    forced = body["tool_choice"] != "none"
+    if body.get("stream") or not forced or body.get("stop"):
+        return
+    r = httpx.post(colocated.url + "/v1/chat/completions", json=body, timeout=60)
+    if r.status_code != 200:
+        return
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in body["tools"]}
+    for c in r.json()["choices"]:
+        if c["finish_reason"] != "stop":
+            continue
+        calls = c["message"]["tool_calls"]
+        assert calls and c["message"]["content"] is None, c
+        if body["tool_choice"] != "required":
+            assert [x["function"]["name"] for x in calls] == [body["tool_choice"]["function"]["name"]]
+        for x in calls:
+            jsonschema.validate(json.loads(x["function"]["arguments"]), schemas[x["function"]["name"]])
 
 
 def test_every_integer_field_at_the_edges_of_64_bits_is_served_or_refused(colocated):
