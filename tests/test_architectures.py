@@ -327,6 +327,8 @@ def test_vllm_model_flags_reach_the_front_door(mode, root, tokenizer_dir, tmp_pa
     (["--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja: No such file"),
     (["--chat-template", "{% for m in messages %}"], "--chat-template: line 1"),
     (["--generation-config", "/nonexistent"], "--generation-config /nonexistent: no generation_config.json"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice and --tool-call-parser go together"),
+    (["--tool-call-parser", "hermes"], "--enable-auto-tool-choice and --tool-call-parser go together"),
 ])
 def test_bad_front_door_flags_are_refused_in_one_line(flags, says):
     import subprocess

@@ -139,7 +139,7 @@ class Pieces(Broken):
 
 
 class BrokenChunks(Chunks):
-    forced_tool = None
+    tool_mode = None
 
     def choice(self, r, text: str, lps, delta: bool, first: bool = False, finish=None) -> dict:
         if not first:

@@ -266,9 +266,9 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                                 f"{', '.join(map(repr, served.names))}", param="model")
         with_defaults(req, served.defaults)
         grammar = compile_response_format(req.response_format.spec()) if req.response_format else None
-        forced = req.forced_tool if chat else None
-        if forced is not None:
-            grammar = tool_grammar(forced, req.tools, req.parallel_tool_calls)
+        tool_mode = req.tool_mode(served.tool_parser) if chat else None
+        if tool_mode is not None and tool_mode != "auto":
+            grammar = tool_grammar(tool_mode, req.tools, req.parallel_tool_calls)
         common = {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(req.top_k, 0),
                   "min_p": req.min_p, "stop": tuple(req.stop), "stop_token_ids": tuple(req.stop_token_ids or ()),
                   "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "logprobs": req.top_logprobs_k,
@@ -297,7 +297,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         for (prompt, _), r in zip(plans, leaders):
             metrics.cache_lookup(tenant, len(prompt), r.cached_tokens)
         fmt = Formatter(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), req.model, chat, strings,
-                        sum(len(p) for p in prompts), sum(r.cached_tokens for r in leaders), forced)
+                        sum(len(p) for p in prompts), sum(r.cached_tokens for r in leaders), tool_mode)
         want = req.top_logprobs_k is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

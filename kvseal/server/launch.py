@@ -50,6 +50,10 @@ def _router_argv(a: argparse.Namespace) -> list[str]:
         out += ["--served-model-name", *a.served_model_name]
     if a.per_tenant_metrics:
         out.append("--per-tenant-metrics")
+    if a.enable_auto_tool_choice:
+        out.append("--enable-auto-tool-choice")
+    if a.tool_call_parser:
+        out += ["--tool-call-parser", a.tool_call_parser]
     if a.admin_key:
         out += ["--admin-key", a.admin_key]
     out += [f for f in _worker_argv(a) if f.startswith("--unsafe")]

@@ -21,7 +21,7 @@ from kvseal.engine.request import Event
 from kvseal.errors import EngineError
 from kvseal.server.metrics import Metrics
 from kvseal.server.text import TextStream, TokenStrings
-from kvseal.server.tools import StreamedCalls, calls
+from kvseal.server.tools import StreamedCalls, answer
 from kvseal.transfer.messages import Logprob
 
 log = logging.getLogger("kvseal.api")
@@ -96,10 +96,10 @@ class Formatter:
     """OpenAI's response shapes for chat and completions: choices, logprobs, usage."""
 
     def __init__(self, ident: str, model: str, chat: bool, strings: TokenStrings, n_prompt: int,
-                 cached: int = 0, forced_tool: object = None) -> None:
+                 cached: int = 0, tool_mode: object = None) -> None:
         self.ident, self.model, self.chat, self.strings, self.n_prompt = ident, model, chat, strings, n_prompt
         self.cached = cached
-        self.forced_tool = forced_tool  # a Tool or "required": the output is tool calls (server/tools.py)
+        self.tool_mode = tool_mode  # a Tool, "required" or "auto": the output is or may be tool calls (tools.py)
         self.streamed: dict[int, StreamedCalls] = {}
         self.created = int(time.time())
 
@@ -115,14 +115,19 @@ class Formatter:
         if not self.chat:
             return {"index": r.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         if delta:
-            if self.forced_tool is not None:
-                d = self.streamed.setdefault(r.index, StreamedCalls(self.forced_tool)).delta(text, first, finish)
+            if self.tool_mode is not None:
+                streamed = self.streamed.setdefault(r.index, StreamedCalls(self.tool_mode))
+                d = streamed.delta(text, first, finish)
+                finish = streamed.finish_reason(finish)
             else:
                 d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": r.index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         message = {"role": "assistant", "content": text}
-        if self.forced_tool is not None and (made := calls(self.forced_tool, text)) is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": made}
+        if self.tool_mode is not None:
+            content, made = answer(self.tool_mode, text)
+            if made:
+                message = {"role": "assistant", "content": content, "tool_calls": made}
+                finish = "tool_calls" if self.tool_mode == "auto" and finish == "stop" else finish
         return {"index": r.index, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
     def logprobs(self, r: Reply, lps: tuple[Logprob, ...]) -> dict:
@@ -224,7 +229,7 @@ async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_lo
             elif item.text or item.finish or item.logprobs and want_logprobs:
                 c = fmt.choice(r, item.text, lp(item), delta=True, finish=item.finish)
                 # a "required" tool call's text waits for its end: nothing to send until then
-                if fmt.forced_tool is None or c["delta"] or c["finish_reason"] or c["logprobs"]:
+                if fmt.tool_mode is None or c["delta"] or c["finish_reason"] or c["logprobs"]:
                     yield fmt.chunk([c])
         replies[0].metrics.finished(200, replies[0].tenant)
         if include_usage:

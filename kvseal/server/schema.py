@@ -184,12 +184,19 @@ class ChatRequest(Sampling):
                                  param=f"messages.{i}.tool_calls")
         check_tools(self)
 
-    @property
-    def forced_tool(self) -> Tool | Literal["required"] | None:
-        """What the output must be: one call of the named tool, one or more calls ("required"), or free text."""
+    def tool_mode(self, parser: str | None) -> Tool | Literal["required", "auto"] | None:
+        """What the output is: one call of the named tool, one or more calls ("required"), text that may hold
+        calls in the model's own format ("auto", read by ``parser``), or text."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return next(t for t in self.tools or () if t.function.name == self.tool_choice.function.name)
-        return "required" if self.tool_choice == "required" else None
+        if not self.tools or self.tool_choice in ("none", "required"):
+            return self.tool_choice if self.tool_choice == "required" else None
+        if parser is None:  # "auto", or no choice: OpenAI's default with tools
+            raise BadRequest('tool_choice "auto" (the default when tools are given) reads calls out of the model\'s '
+                             "text: this server was not started with --enable-auto-tool-choice and a "
+                             '--tool-call-parser; ask for "required" or a named function (the output then follows '
+                             'the tools\' schemas) or "none"', param="tool_choice")
+        return "auto"
 
     @property
     def top_logprobs_k(self) -> int | None:
@@ -202,8 +209,8 @@ class ChatRequest(Sampling):
 
 def check_tools(req: ChatRequest) -> None:
     """The tool choices kvseal serves: a named function and "required" (constrained to the tools' schemas, as
-    vLLM serves them on any model) and "none". "auto" needs a parser of the model's own tool-call format, which
-    kvseal does not have: a 400, as vLLM answers without ``--enable-auto-tool-choice``."""
+    vLLM serves them on any model), "none", and "auto" where the server reads calls out of the model's text
+    (``ChatRequest.tool_mode``)."""
     names = [t.function.name for t in req.tools or ()]
     if len(set(names)) < len(names):
         raise BadRequest("tools: two tools share a name", param="tools")
@@ -212,10 +219,6 @@ def check_tools(req: ChatRequest) -> None:
         if choice is not None and choice != "none":
             raise BadRequest("tool_choice is only allowed when tools are given", param="tool_choice")
         return
-    if choice is None or choice == "auto":
-        raise BadRequest('tool_choice "auto" (the default when tools are given) needs a parser of the model\'s own '
-                         'tool-call format, which kvseal does not have; ask for "required" or a named function '
-                         '(the output then follows the tools\' schemas) or "none"', param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                          param="tool_choice")

@@ -30,6 +30,7 @@ class Served:
     names: list[str]
     root: str  # the checkpoint it serves, as given
     defaults: dict = field(default_factory=dict)  # request field → default from the generation config
+    tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice: tool_choice "auto"
 
 
 def add_front_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +39,12 @@ def add_front_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the tokenizer's")
     p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="sampling defaults from generation_config.json (auto: the checkpoint's); requests override")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default with tools), reading calls out of the model\'s text '
+                        "with --tool-call-parser (as vLLM's flags)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen2.5, Qwen3, "
+                        "Hermes 2 Pro and later)")
     p.add_argument("--admin-key", default=None, metavar="KEY",
                    help="the operator's key: /dashboard (pages of every pool, by state and tenant); off without it")
     p.add_argument("--per-tenant-metrics", action="store_true",
@@ -103,6 +110,9 @@ def check_front(a: argparse.Namespace) -> None:
             jinja2.Environment().parse(template)
         except jinja2.TemplateSyntaxError as e:
             raise ConfigError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    if a.enable_auto_tool_choice != (a.tool_call_parser is not None):
+        raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together: the parser reads the "
+                          "model's calls out of its text")
     if a.per_tenant_metrics and not a.admin_key:
         raise ConfigError("--per-tenant-metrics needs --admin-key: series that name tenants are the admin's to read")
     if a.served_model_name is not None and (not a.served_model_name or any(not n for n in a.served_model_name)):
@@ -122,7 +132,8 @@ def front(a: argparse.Namespace, tokenizer: object) -> Served:
     if template is not None:
         tokenizer.chat_template = template
     names = list(a.served_model_name or [path.stem if path.is_file() else path.name])
-    return Served(names, str(a.model or path), generation_defaults(a.model, a.generation_config))
+    return Served(names, str(a.model or path), generation_defaults(a.model, a.generation_config),
+                  a.tool_call_parser if a.enable_auto_tool_choice else None)
 
 
 def front_tokenizer_source(a: argparse.Namespace) -> Path:

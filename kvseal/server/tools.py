@@ -1,10 +1,14 @@
-"""Tool calls the way vLLM serves them on any model: constrained to the tools' schemas, never parsed out of text.
+"""Tool calls the way vLLM serves them: forced calls constrained to the tools' schemas on any model, and "auto"
+calls read out of the text of a model that writes them in a known format.
 
 ``tool_choice`` naming a function makes the output that function's arguments, a JSON object that follows its
 ``parameters`` schema; ``"required"`` makes it a JSON array of one or more ``{"name", "parameters"}`` objects, each
 one of the tools (one only with ``parallel_tool_calls: false``). Either way the grammar that holds the output to
 that form is the same llguidance grammar as ``response_format``'s, so it reaches whichever engine samples
 (colocated, or prefill then decode) as a sampling parameter, and the answer comes back as ``tool_calls``.
+``"auto"`` (OpenAI's default with tools) needs ``--enable-auto-tool-choice --tool-call-parser hermes``: the
+model writes freely, and ``<tool_call>`` blocks in its text become ``tool_calls`` (``Hermes``), as vLLM's parser
+of that name reads them; the arguments are then whatever the model wrote.
 
 The chat template sees the tools (``tools=``, for templates that describe them to the model) and the
 conversation's earlier calls and answers: as ``tool_calls`` and ``tool`` messages where the template knows
@@ -80,37 +84,112 @@ def _call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def calls(forced: Tool | Literal["required"], text: str) -> list[dict] | None:
-    """The output as OpenAI's ``tool_calls``; None where it is not whole (cut short by ``max_tokens``): the
-    answer then carries the text as content, with ``finish_reason: "length"``."""
-    if forced != "required":
-        return [_call(forced.function.name, text)]
+Mode = Tool | Literal["required", "auto"]
+
+
+def answer(mode: Mode, text: str) -> tuple[str | None, list[dict] | None]:
+    """The output as OpenAI's ``content`` and ``tool_calls``. A forced call's output not whole (cut short by
+    ``max_tokens`` or a stop string) is answered as content, with its ``finish_reason``; "auto" text with no
+    call in it is content."""
+    if mode == "auto":
+        content, found = Hermes().feed(text, final=True)
+        return (content if content.strip() else None) if found else text, found or None
+    if mode != "required":
+        return None, [_call(mode.function.name, text)]
     try:
         made = json.loads(text)
     except ValueError:
+        return text, None
+    return None, [_call(c["name"], json.dumps(c["parameters"])) for c in made]
+
+
+class Hermes:
+    """Calls in the Hermes format (Qwen2.5, Qwen3, Hermes 2 Pro and later): ``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`` blocks in the text, read as they stream. Text outside the blocks is content; a block
+    that does not hold a call (not JSON, no name) stays in the content as it was written."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.held = ""  # text not yet judged: inside a block, or what may be the start of one
+        self.inside = False
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """(content, calls) that ``text`` completes; ``final`` flushes whatever is held as content."""
+        self.held += text
+        content, calls = "", []
+        while True:
+            if not self.inside:
+                i = self.held.find(self.OPEN)
+                if i < 0:
+                    keep = next((k for k in range(min(len(self.OPEN) - 1, len(self.held)), 0, -1)
+                                 if self.OPEN.startswith(self.held[-k:])), 0)
+                    content += self.held[:len(self.held) - keep]
+                    self.held = self.held[len(self.held) - keep:]
+                    break
+                content += self.held[:i]
+                self.held, self.inside = self.held[i + len(self.OPEN):], True
+            else:
+                j = self.held.find(self.CLOSE)
+                if j < 0:
+                    break
+                block, self.held, self.inside = self.held[:j], self.held[j + len(self.CLOSE):], False
+                call = _hermes_call(block)
+                if call is None:
+                    content += self.OPEN + block + self.CLOSE
+                else:
+                    calls.append(call)
+        if final:
+            content += (self.OPEN if self.inside else "") + self.held
+            self.held, self.inside = "", False
+        return content, calls
+
+
+def _hermes_call(block: str) -> dict | None:
+    try:
+        c = json.loads(block)
+    except ValueError:
         return None
-    return [_call(c["name"], json.dumps(c["parameters"])) for c in made]
+    if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+        return None
+    args = c.get("arguments", c.get("parameters", {}))
+    return _call(c["name"], args if isinstance(args, str) else json.dumps(args))
 
 
 class StreamedCalls:
-    """A streamed choice's deltas: a named function's arguments as they come, after a first delta with the
-    call's id and name; ``"required"``'s calls whole, once the array is complete (its text cannot be split into
-    calls before then)."""
+    """A streamed choice's deltas. A named function: its arguments as they come, after a first delta with the
+    call's id and name. "required": the calls whole, once the array is complete (its text cannot be split into
+    calls before then). "auto": content as it comes, and each call whole once its block has closed."""
 
-    def __init__(self, forced: Tool | Literal["required"]) -> None:
-        self.forced = forced
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
         self.text = ""
         self.id = f"call_{secrets.token_hex(12)}"
+        self.hermes = Hermes() if mode == "auto" else None
+        self.calls = 0  # calls sent so far
 
     def delta(self, text: str, first: bool, finish: str | None) -> dict:
-        if self.forced != "required":
-            fn = {"arguments": text} if not first else {"name": self.forced.function.name, "arguments": text}
+        d: dict = {}
+        if self.hermes is not None:
+            content, made = self.hermes.feed(text, final=finish is not None)
+            if content:
+                d["content"] = content
+            if made:
+                d["tool_calls"] = [{"index": self.calls + i} | c for i, c in enumerate(made)]
+                self.calls += len(made)
+        elif self.mode != "required":
+            fn = {"arguments": text} if not first else {"name": self.mode.function.name, "arguments": text}
             call = {"index": 0, "function": fn} | ({"id": self.id, "type": "function"} if first else {})
             d = {"tool_calls": [call]} if first or text else {}
         else:
             self.text += text
-            d = {}
             if finish is not None:
-                made = calls(self.forced, self.text)
-                d = {"tool_calls": [{"index": i} | c for i, c in enumerate(made)]} if made else {"content": self.text}
-        return ({"role": "assistant", "content": None} | d) if first else d
+                content, made = answer(self.mode, self.text)
+                d = {"tool_calls": [{"index": i} | c for i, c in enumerate(made)]} if made else {"content": content}
+        if first:  # the role, and content: null where the answer is calls only
+            d = {"role": "assistant", "content": d.pop("content", "" if self.hermes else None)} | d
+        return d
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        """"tool_calls" for a stream that made calls on its own ("auto"), as vLLM and OpenAI say it."""
+        return "tool_calls" if finish == "stop" and self.calls else finish
