@@ -15,7 +15,8 @@ its own, in vLLM's order:
    ``torch.Generator``, so a seeded request reproduces whatever it was batched with.
 
 Logprobs are the log-softmax of the row after steps 1–5 and temperature (the distribution the token is drawn
-from, before truncation; at temperature 0 (below 1e-5, as vLLM), of the processed logits): the chosen token's and the top ``k``.
+from, before truncation; at temperature 0, or below 1e-5 as in vLLM, of the processed logits): the chosen
+token's and the top ``k``.
 """
 
 from __future__ import annotations

@@ -88,9 +88,9 @@ Mode = Tool | Literal["required", "auto"]
 
 
 def answer(mode: Mode, text: str) -> tuple[str | None, list[dict] | None]:
-    """The output as OpenAI's ``content`` and ``tool_calls``. A forced call's output not whole (cut short by
-    ``max_tokens`` or a stop string) is answered as content, with its ``finish_reason``; "auto" text with no
-    call in it is content."""
+    """The output as OpenAI's ``content`` and ``tool_calls``. A named call's arguments are what was written,
+    whole or cut short (its ``finish_reason`` says which); a "required" array that is not whole JSON (cut by
+    ``max_tokens`` or a stop string) is answered as content; "auto" text with no call in it is content."""
     if mode == "auto":
         content, found = Hermes().feed(text, final=True)
         return (content if content.strip() else None) if found else text, found or None
