@@ -48,6 +48,12 @@ def test_hermes_leaves_whatever_is_not_a_whole_call_in_the_content(text, content
     assert c == content and (named(made) if made else None) == calls
 
 
+@pytest.mark.parametrize("text", ['[{"name": "f", "parameters": {"a"', '[{"name": "f"}]', "[]", '{"name": "f"}'])
+def test_required_output_that_is_not_a_whole_array_of_calls_is_content(text):
+    """Cut by max_tokens or a stop string, "required"'s output is answered as the text it is, never a 500."""
+    assert answer("required", text) == (text, None)
+
+
 class Scripted:
     """A backend whose every generation is ``text``, one token per event, then a stop."""
 

@@ -374,7 +374,7 @@ class Engine:
             if isinstance(got, Exception):
                 self._failed_sampling(f, got)
                 continue
-            f.logprob, tok = got[1], got[0]
+            tok, f.logprob = got
             self._advance(f, tok)
 
     def _failed_sampling(self, s: Sequence, e: Exception) -> None:

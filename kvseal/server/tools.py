@@ -97,10 +97,10 @@ def answer(mode: Mode, text: str) -> tuple[str | None, list[dict] | None]:
     if mode != "required":
         return None, [_call(mode.function.name, text)]
     try:
-        made = json.loads(text)
-    except ValueError:
+        made = [_call(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+    except (ValueError, TypeError, KeyError):  # not the whole array: cut by max_tokens or a stop string
         return text, None
-    return None, [_call(c["name"], json.dumps(c["parameters"])) for c in made]
+    return (None, made) if made else (text, None)
 
 
 class Hermes:
