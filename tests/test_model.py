@@ -265,3 +265,64 @@ def test_logprobs_match_transformers_fp32(fp32_model, fp32_prompts, hf_fp32):
         top = row.topk(5)
         assert [t for t, _ in lp.top] == top.indices.tolist()
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=2e-3)
+
+
+def prompt_logprobs_from_engine(lm, ids, k=3, preempt_after=0, **kw):
+    """The prompt logprobs a request's first event carries, and every event; ``preempt_after``: drive that many
+    steps by hand, then preempt the request mid-prompt (its prompt is recomputed from the start)."""
+    from kvseal.engine.sampling import SamplingParams
+    from kvseal.engine.sequence import Phase, Sequence
+
+    engine = make_engine(lm, **kw)
+    events = []
+    seq = Sequence(4343, ids, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=k), events.append)
+
+    def by_hand():
+        engine._admit(seq)
+        for _ in range(preempt_after):
+            engine.step()
+        cached, scored = seq.num_cached, len(seq.prompt_lps)
+        engine._preempt(seq)
+        return cached, scored
+
+    try:
+        partial = engine.call(by_hand).result() if preempt_after else None
+        if not preempt_after:
+            engine.submit(seq).result()
+        deadline = time.time() + 120
+        while not (events and events[-1].finish_reason) and time.time() < deadline:
+            time.sleep(0.05)
+        assert seq.phase is Phase.DONE and events[-1].error is None
+    finally:
+        engine.stop()
+    return events, partial
+
+
+@pytest.mark.parametrize("case", ["one chunk", "chunks of 8", "chunks of 1", "preempted mid-prompt"])
+def test_prompt_logprobs_match_transformers_fp32(fp32_model, fp32_prompts, hf_fp32, case):
+    """echo with logprobs: each prompt token's logprob (and top 3) is transformers' fp32 log-softmax of the row
+    before it, whether the prompt runs in one chunk, in chunks of 8 or of 1 (rows that run as decode rows), or
+    is preempted halfway and recomputed;
+    they come once, on the first token's event, and nowhere else."""
+    ids = fp32_prompts[2]
+    kw = {"one chunk": {}, "chunks of 8": {"step_token_budget": 8}, "chunks of 1": {"step_token_budget": 1},
+          "preempted mid-prompt": {"step_token_budget": 8, "preempt_after": 2}}[case]
+    events, partial = prompt_logprobs_from_engine(fp32_model, ids, **kw)
+    if partial:
+        assert partial == (16, 16)  # two chunks in when preempted: prompt tokens 1..16 were scored
+
+    def ref():
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            return torch.log_softmax(hf_fp32(x, attention_mask=torch.ones_like(x)).logits[0, :-1], -1)
+
+    theirs = off_main_thread(ref)
+    ours = events[0].prompt_logprobs
+    assert events[0].token_ids and all(not ev.prompt_logprobs for ev in events[1:])
+    assert [lp.token for lp in ours] == ids[1:]
+    assert [lp.logprob for lp in ours] == pytest.approx(theirs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(),
+                                                        abs=2e-3)
+    for lp, row in zip(ours, theirs):
+        top = row.topk(3)
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=2e-3)
+        assert lp.top[0][0] == int(top.indices[0]) or lp.top[0][1] == pytest.approx(lp.top[1][1], abs=2e-3)

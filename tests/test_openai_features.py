@@ -1,6 +1,6 @@
 """The OpenAI features vLLM users rely on, through the official client, colocated and disaggregated alike:
 n > 1, logprobs, penalties and logit_bias, min_tokens and stop_token_ids, structured output, completions
-batches and echo, /tokenize and /detokenize."""
+batches and echo (with the prompt's logprobs), /tokenize and /detokenize."""
 
 import json
 
@@ -198,6 +198,50 @@ def test_a_streamed_completion_equals_the_whole_one(client):
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
     assert "".join(c.text for c in chunks) == whole.text and chunks[-1].finish_reason == whole.finish_reason
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, server):
+    """echo with logprobs, as lm-evaluation-harness scores a continuation: the prompt's tokens come first (the
+    first with no logprob), each with its logprob given the tokens before it. The logprob the model gave the
+    token it generated after a prompt is the logprob that token gets when it is appended to the prompt and
+    echoed; streamed equals whole; every choice of n = 2 and a repeat (a prefix-cache hit otherwise) agree."""
+    prompt = "One, two, three,"
+    gen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=2)
+    assert gen.choices[0].text == " four"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
+    longer = ids + [token_id(server, " four")]
+    kw = {"model": MODEL, "prompt": longer, "max_tokens": 2, "temperature": 0, "logprobs": 2, "echo": True}
+    r = client.completions.create(n=2, **kw)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("One, two, three, four") and len(lp.tokens) == len(longer) + 2
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    scored = lp.token_logprobs[len(ids)]  # " four" after the prompt
+    assert lp.tokens[len(ids)] == " four" and " four" in lp.top_logprobs[len(ids)]
+    assert scored == pytest.approx(gen.choices[0].logprobs.token_logprobs[0], abs=0.05)
+    other = r.choices[1].logprobs
+    assert other.tokens == lp.tokens and other.token_logprobs[0] is None
+    assert other.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=0.05)
+    again = client.completions.create(**kw).choices[0].logprobs
+    assert again.tokens == lp.tokens and again.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=0.05)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = [v for c in chunks if c for v in c.token_logprobs]
+    assert [t for c in chunks if c for t in c.tokens] == lp.tokens and streamed[0] is None
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=0.05)
+    assert [o for c in chunks if c for o in c.text_offset] == lp.text_offset
+    # max_tokens 0 with echo (OpenAI's legacy way to score a text alone): the prompt and its logprobs, no output
+    scored = client.completions.create(**{**kw, "max_tokens": 0})
+    alone = scored.choices[0]
+    assert alone.text == "One, two, three, four" and alone.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(longer)
+    assert alone.logprobs.tokens == lp.tokens[:len(longer)] and alone.logprobs.token_logprobs[0] is None
+    assert alone.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:len(longer)], abs=0.05)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**kw, "max_tokens": 0, "echo": False})
+    assert e.value.body["param"] == "max_tokens"
+    wait_pages_back(server)
 
 
 def test_tokenize_detokenize_round_trip(server):

@@ -28,8 +28,8 @@ import torch
 
 from kvseal.config import EngineConfig
 from kvseal.engine.grammar import Grammars
-from kvseal.engine.runner import Runner
-from kvseal.engine.sampling import sample
+from kvseal.engine.runner import Runner, StepResult, wants_prompt_logprobs
+from kvseal.engine.sampling import prompt_logprobs, sample
 from kvseal.engine.sequence import Event, Phase, Sequence
 from kvseal.errors import BadRequest, ContextLengthError, EngineError, KVIntegrityError
 from kvseal.kv.pool import PagePool, PageRun, PageState
@@ -179,28 +179,48 @@ class Engine:
                          quarantine=True)
         if res.logits is None:
             return
-        done = []  # rows whose whole context is now cached: they sample their next token
-        for row, (s, n) in enumerate(zip(res.seqs, res.fed)):
+        last = list(range(len(res.seqs))) if res.rows is None else [r[-1] for r in res.rows]
+        if res.rows is not None:
+            self._prompt_logprobs(res)
+        done = []  # sequences whose whole context is now cached: they sample their next token
+        for i, (s, n) in enumerate(zip(res.seqs, res.fed)):
             s.num_cached += n
             self.computed_tokens += n
             if self.cache and s.cache_keys is not None:
                 self._keep(s)
             if s.num_cached == len(s.tokens):
-                done.append(row)
-        seqs = [res.seqs[r] for r in done]
+                done.append(i)
+        seqs = [res.seqs[i] for i in done]
         t0 = time.perf_counter()
-        logits = res.logits if len(done) == len(res.seqs) else res.logits[done]  # no copy in a decode step
+        if res.rows is None and len(done) == len(res.seqs):
+            logits = res.logits  # no copy in a decode step
+        else:
+            logits = res.logits[[last[i] for i in done]]
         tokens = sample(logits, seqs)
         self._step_times["sample"] = time.perf_counter() - t0
-        for row, s, got in zip(done, seqs, tokens):
+        for i, s, got in zip(done, seqs, tokens):
             if isinstance(got, Exception):
                 self._failed_sampling(s, got)
                 continue
             tok, lp = got
             s.logprob = lp
             if s.rid in self.forks:
-                self._fork(s, res.logits[row])
+                self._fork(s, res.logits[last[i]])
             self._advance(s, tok)
+
+    def _prompt_logprobs(self, res: StepResult) -> None:
+        """Each prompt token's logprob from the logits of the row before it, for the chunks that asked (a row
+        per position: ``Runner.build``), before ``num_cached`` moves past them. A prompt recomputed after a
+        preemption skips the positions it has already."""
+        for s, n, rows in zip(res.seqs, res.fed, res.rows):
+            if not wants_prompt_logprobs(s):
+                continue
+            lo = max(0, len(s.prompt_lps) - s.num_cached)  # the row predicting the first token not yet scored
+            hi = min(n, len(s.prompt) - 1 - s.num_cached)  # the last prompt token has no successor in the prompt
+            if hi > lo:
+                targets = s.tokens[s.num_cached + lo + 1: s.num_cached + hi + 1]
+                s.prompt_lps += prompt_logprobs(res.logits[rows.start + lo: rows.start + hi], targets,
+                                                s.params.prompt_logprobs)
 
     def _ready(self) -> bool:
         """Is there a forward to run? An engine whose only waiting request cannot have its first pages yet
@@ -273,7 +293,7 @@ class Engine:
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
                and self.preemptions == preempted):
             s = self.waiting[0]
-            if self.cache and s.run is None:
+            if self.cache and s.run is None and s.params.prompt_logprobs is None:  # prompt logprobs: all computed
                 self._hit(s)
             n = self._chunk(s, budget)
             if not self.pool.can_allocate(self._pages_to_feed(s, n) + len(self.running)):
@@ -366,6 +386,7 @@ class Engine:
                 f.run = PageRun(f.run.pages + own.pages, f.run.generations + own.generations)
             f.num_cached, f.phase = n, Phase.RUNNING
             f.cache_keys, f.registered = leader.cache_keys, full
+            f.prompt_lps = leader.prompt_lps
             self.running.append(f)
         self.shared_tokens += n * len(same)
         if self.metrics:
@@ -387,7 +408,8 @@ class Engine:
         first = s.num_output == 0
         s.tokens.append(token)
         ev = Event(s.rid, (token,), logprobs=(s.logprob,) if s.logprob else (),
-                   cached_tokens=s.cached_tokens if first else 0)
+                   cached_tokens=s.cached_tokens if first else 0,
+                   prompt_logprobs=tuple(s.prompt_lps) if first and s.params.prompt_logprobs is not None else ())
         if first and self.role == "prefill":
             self.running.remove(s)
             s.phase = Phase.TRANSFER

@@ -44,6 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob and the k most likely
     grammar: str | None = None  # an llguidance grammar, compiled from response_format at the front door
 
     def __post_init__(self) -> None:
@@ -55,8 +56,9 @@ class SamplingParams:
             raise ValueError("max_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p <= 1:
             raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1")
-        if self.repetition_penalty <= 0 or self.min_tokens < 0 or (self.logprobs or 0) < 0:
-            raise ValueError("repetition_penalty > 0, min_tokens >= 0, logprobs >= 0")
+        if (self.repetition_penalty <= 0 or self.min_tokens < 0 or (self.logprobs or 0) < 0
+                or (self.prompt_logprobs or 0) < 0):
+            raise ValueError("repetition_penalty > 0, min_tokens >= 0, logprobs >= 0, prompt_logprobs >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -89,3 +91,6 @@ class Event:
     error: Exception | None = None
     logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked for logprobs
     cached_tokens: int = 0  # on the first token's event: prompt tokens read from the prefix cache
+    # on the first token's event, when the request asked for them: the logprob of each prompt token after the
+    # first, given the tokens before it (the first has nothing to be predicted from)
+    prompt_logprobs: tuple[Logprob, ...] = ()

@@ -24,10 +24,18 @@ NO_GROUP = -2  # never a page owner (-1 is FREE's)
 
 @dataclass
 class StepResult:
-    seqs: list[Sequence]  # sequences that ran, in logits order
+    seqs: list[Sequence]  # sequences that ran, in batch order
     fed: list[int]  # how many tokens each of them fed
     logits: torch.Tensor | None
     failed: list[Sequence]  # failed the tag check: never read the pool
+    rows: list[range] | None = None  # each sequence's logits rows, if not one each (prompt logprobs asked for)
+
+
+def wants_prompt_logprobs(s: Sequence) -> bool:
+    """Does this chunk of ``s`` need the logits of every position it feeds: its prompt's logprobs were asked
+    for, are not yet all computed, and were never reported (a request recomputing its prompt after a preemption,
+    or decoding after a transfer, has reported them already)."""
+    return s.params.prompt_logprobs is not None and s.num_output == 0 and len(s.prompt_lps) < len(s.prompt) - 1
 
 
 class Runner:
@@ -61,14 +69,16 @@ class Runner:
             batch = [e for e, good in zip(batch, ok) if good]
         if not batch:
             return StepResult([], [], None, failed)
-        logits = self.model.forward(self.pool.kv, self.build(batch))
-        return StepResult([s for s, _ in batch], [n for _, n in batch], logits, failed)
+        fb = self.build(batch)
+        logits = self.model.forward(self.pool.kv, fb)
+        return StepResult([s for s, _ in batch], [n for _, n in batch], logits, failed, fb.rows)
 
     def build(self, batch: list[tuple[Sequence, int]]) -> ForwardBatch:
         """Pack the fed tokens (single-token rows first, as ``step`` orders them) with their positions, the
         slots their K/V go to, and each request's page table up to the pages its context covers. Index
         arithmetic in NumPy, handed to PyTorch without a copy: PyTorch's per-op overhead made it 0.2 ms of
-        every step."""
+        every step. A prefill chunk whose prompt logprobs were asked for wants the logits of every row it
+        feeds (``ForwardBatch.rows``), the others only their last."""
         ps = self.ps
         fed = np.array([n for _, n in batch], dtype=np.int64)
         cached = np.array([s.num_cached for s, _ in batch], dtype=np.int64)
@@ -95,7 +105,15 @@ class Runner:
             decode = DecodeRows(on(pages), on(positions[:n_dec] + 1))
         spans = [Span(int(start), n, s.num_cached, on(np.array(t, dtype=np.int64)))
                  for (s, n), t, start in zip(batch[n_dec:], tables[n_dec:], starts[n_dec:])]
+        last = starts + fed - 1
+        rows = None
+        if any(wants_prompt_logprobs(s) for s, _ in batch):
+            ranges = [range(a, a + n) if wants_prompt_logprobs(s) else range(a + n - 1, a + n)
+                      for (s, n), a in zip(batch, starts.tolist())]
+            last = np.fromiter((i for r in ranges for i in r), dtype=np.int64)
+            ends = np.cumsum([len(r) for r in ranges])
+            rows = [range(e - len(r), e) for r, e in zip(ranges, ends.tolist())]
         return ForwardBatch(input_ids=on(np.array(ids, dtype=np.int64)),
                             positions=on(positions.clip(max=self.model.cfg.max_context - 1)),
                             write_slots=on(write_slots),
-                            logits_index=on(starts + fed - 1), decode=decode, spans=spans)
+                            logits_index=on(last), decode=decode, spans=spans, rows=rows)

@@ -130,6 +130,17 @@ def logprob(row: torch.Tensor, tok: int, k: int) -> Logprob:
     return Logprob(tok, float(lp[tok]), top)
 
 
+def prompt_logprobs(rows: torch.Tensor, targets: list[int], k: int) -> list[Logprob]:
+    """The logprob of each ``targets[i]`` under ``rows[i]`` (the model's own distribution: no sampling parameter
+    applies to a prompt, as in vLLM), with the ``k`` most likely tokens."""
+    lp = torch.log_softmax(rows.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
+    got = lp.gather(1, torch.tensor(targets, dtype=torch.int64).unsqueeze(1)).squeeze(1).tolist()
+    if not k:
+        return [Logprob(t, v) for t, v in zip(targets, got)]
+    v, i = lp.topk(k, dim=-1)
+    return [Logprob(t, g, list(zip(ii, vv))) for t, g, ii, vv in zip(targets, got, i.tolist(), v.tolist())]
+
+
 def _draw(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     if p.top_k:
         kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]

@@ -43,6 +43,7 @@ class Sequence:
     group: int | None = None  # the choices of one request (n > 1) share their prompt's pages; the leader's rid
     matcher: object | None = None  # response_format's grammar state (kvseal.engine.grammar)
     logprob: Logprob | None = None  # the last sampled token's, when asked for
+    prompt_lps: list[Logprob] = field(default_factory=list)  # prompt tokens 1.. so far, when asked for
     tenant: str = "default"
     tenant_tag: int = 0  # kvseal.kv.pool.tenant_tag of it, set at admission: on every page the request takes
     space: int | None = None  # the tenant's prefix-cache namespace (an owner id of shared pages)

@@ -75,9 +75,10 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [N] decode rows first, then each prefill chunk's rows
     positions: torch.Tensor  # [N]
     write_slots: torch.Tensor  # [N] flat pool slots (page * page_size + offset) each token's K/V go to
-    logits_index: torch.Tensor  # [B] the row whose next-token logits each request wants
+    logits_index: torch.Tensor  # [B] each request's last row (every row of a chunk in ``rows``): the logits wanted
     decode: DecodeRows | None  # rows [0, decode.n): one token per request
     spans: list[Span]  # prefill chunks
+    rows: list[range] | None = None  # each request's rows of the logits, where some want more than their last
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:

@@ -272,6 +272,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         common = {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(req.top_k, 0),
                   "min_p": req.min_p, "stop": tuple(req.stop), "stop_token_ids": tuple(req.stop_token_ids or ()),
                   "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "logprobs": req.top_logprobs_k,
+                  "prompt_logprobs": req.prompt_logprobs_k,
                   "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                   "repetition_penalty": req.repetition_penalty, "logit_bias": req.bias(vocab), "grammar": grammar}
         plans = [(prompt, admit(req, prompt, chat)) for prompt in prompts]  # all admitted before any generates
@@ -287,12 +288,19 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                 rid = group if c == 0 and group is not None else secrets.randbits(62)
                 events = backend.generate(GenRequest(rid, tenant, prompt, params, group, batch))
                 replies.append(Reply(len(replies), events, TextStream(tokenizer, req.stop, req.min_tokens),
-                                     metrics, started))
+                                     metrics, started, silent=req.score_only))
                 replies[-1].tenant = tenant
         firsts = await unless_gone(request, first_pieces(replies))  # raises the request's error before any status
         if echo:
             for r, f in zip(replies, firsts):
                 f.text = echo[r.index // req.n] + f.text
+        if req.prompt_logprobs_k is not None:
+            for r in replies:
+                r.echo_ids = plans[r.index // req.n][0]
+                if len(r.prompt_lps) != len(r.echo_ids) - 1:  # a bug: never an answer that misses some
+                    await close_all(replies, [])
+                    raise EngineError(f"prompt logprobs: {len(r.prompt_lps)} for a prompt of {len(r.echo_ids)} "
+                                      "tokens")
         leaders = replies[::req.n]  # each prompt's first choice: the others share its pages, not the cache's
         for (prompt, _), r in zip(plans, leaders):
             metrics.cache_lookup(tenant, len(prompt), r.cached_tokens)
@@ -307,7 +315,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     def admit(req: Sampling, prompt: list[int], chat: bool) -> int:
         """max_tokens for this prompt, or 400 if prompt + max_tokens can never fit (naming ``messages`` or
         ``prompt``, the field the client sent)."""
-        max_new = req.max_new
+        max_new = 1 if req.score_only else req.max_new  # one token, generated and dropped, as vLLM does
         if max_new is None:  # as vLLM: whatever the context leaves
             max_new = backend.context_window - len(prompt)
         too_long = len(prompt) + max_new > min(backend.context_window, backend.pool_tokens)

@@ -192,7 +192,7 @@ class PrefillService:
         commit = P.Commit(rid=rid, nonce=nonce, n_tokens=n, first_token=first, pages=dst,
                           generations=lease.generations[:k], checksum=digest, cap=lease.cap)
         late_write = (lambda: self._write(data, at, lease, dst)) if late else None
-        self.commits[rid] = (commit, late_write, seq.logprob, seq.cached_tokens)
+        self.commits[rid] = (commit, late_write, seq.logprob, seq.cached_tokens, seq.prompt_lps)
         acts = self.host.feed(lambda: self.core.written(rid, nonce))
         engine, loop = self.host.split(acts)
         self.host.on_engine(engine, nonce)  # unsafe mode only: free before decode has even seen the commit
@@ -217,7 +217,7 @@ class PrefillService:
             self.writer.corrupt(lease.target, lease.layout, self.engine.pool.kv.dtype, dst)
 
     async def _commit(self, rid: int, commit: P.Commit, late_write: Callable[[], None] | None,
-                      logprob: Logprob | None = None, cached: int = 0) -> None:
+                      logprob: Logprob | None = None, cached: int = 0, prompt_lps: list[Logprob] = ()) -> None:
         p, _ = self.pending.get(rid, (None, None))
         t0 = time.perf_counter()
         try:
@@ -235,6 +235,7 @@ class PrefillService:
             m.transfer_seconds.observe(time.perf_counter() - t0)
             m.transfer_bytes.inc(len(commit.pages) * kv[0].numel() * kv.element_size())
         ack.first_logprob, ack.cached_tokens = logprob, cached
+        ack.prompt_logprobs = list(prompt_lps) or None
         acts = self.host.feed(lambda: self.core.acked(rid, commit.nonce, ack))
         # Deferred release: decode has answered (or is gone), so these pages may go. Pool tags change on the
         # engine thread only, and that call queues behind the engine's current step: the answer goes out first,

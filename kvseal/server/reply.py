@@ -44,8 +44,9 @@ class Reply:
     """One choice's event stream turned into text pieces, with metrics and the stop-string cut."""
 
     def __init__(self, index: int, events: AsyncIterator[Event], text: TextStream, metrics: Metrics,
-                 started: float) -> None:
+                 started: float, silent: bool = False) -> None:
         self.index = index
+        self.silent = silent  # echo with max_tokens 0: the one token generated is dropped, the prompt alone goes out
         self.events = events
         self.text = text
         self.metrics = metrics
@@ -55,6 +56,8 @@ class Reply:
         self.finish: str | None = None
         self.cached_tokens = 0  # of the prompt, read from the prefix cache
         self.tenant: str | None = None
+        self.prompt_lps: tuple[Logprob, ...] = ()  # prompt tokens 1.., when asked for (echo with logprobs)
+        self.echo_ids: list[int] | None = None  # the prompt, while its logprobs wait to go out before the output's
 
     async def first(self) -> Piece:
         try:
@@ -71,9 +74,16 @@ class Reply:
         if ev.error is not None:
             raise ev.error
         now = time.monotonic()
+        if self.silent:
+            if ev.token_ids:
+                self.cached_tokens, self.prompt_lps = ev.cached_tokens, ev.prompt_logprobs
+            if ev.finish_reason and ev.finish_reason not in ("stop", "length"):
+                raise EngineError(f"request ended with {ev.finish_reason}")
+            self.finish = "length" if ev.finish_reason else None  # no output: max_tokens (0) reached
+            return Piece("", (), self.finish)
         if ev.token_ids:
             if self.n_tokens == 0:
-                self.cached_tokens = ev.cached_tokens
+                self.cached_tokens, self.prompt_lps = ev.cached_tokens, ev.prompt_logprobs
             (self.metrics.ttft if self.n_tokens == 0 else self.metrics.itl).observe(now - self.last)
             self.last = now
             self.n_tokens += len(ev.token_ids)
@@ -137,12 +147,22 @@ class Formatter:
                 return {"token": s.text(tid), "logprob": lp, "bytes": list(s.bytes(tid))}
             return {"content": [entry(x.token, x.logprob) | {"top_logprobs": [entry(t, v) for t, v in x.top]}
                                 for x in lps]}
-        offsets = []
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if r.echo_ids is not None:  # echoed: the prompt's tokens first, the first with nothing to predict it
+            prompt, r.echo_ids = r.echo_ids, None
+            out["token_logprobs"] += [None] + [x.logprob for x in r.prompt_lps]
+            out["top_logprobs"] += [None] + [{s.text(t): v for t, v in x.top} for x in r.prompt_lps]
+            for tid in prompt:
+                out["tokens"].append(s.text(tid))
+                out["text_offset"].append(r.offset)
+                r.offset += len(out["tokens"][-1])
         for x in lps:
-            offsets.append(r.offset)
-            r.offset += len(s.text(x.token))
-        return {"tokens": [s.text(x.token) for x in lps], "token_logprobs": [x.logprob for x in lps],
-                "top_logprobs": [{s.text(t): v for t, v in x.top} for x in lps], "text_offset": offsets}
+            out["tokens"].append(s.text(x.token))
+            out["text_offset"].append(r.offset)
+            r.offset += len(out["tokens"][-1])
+        out["token_logprobs"] += [x.logprob for x in lps]
+        out["top_logprobs"] += [{s.text(t): v for t, v in x.top} for x in lps]
+        return out
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

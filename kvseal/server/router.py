@@ -373,7 +373,7 @@ class DisaggBackend:
             committed = True
             p.inflight -= 1
             yield Event(req.rid, (got.first_token,), logprobs=(got.first_logprob,) if got.first_logprob else (),
-                        cached_tokens=got.cached_tokens)
+                        cached_tokens=got.cached_tokens, prompt_logprobs=tuple(got.prompt_logprobs or ()))
             async for ev in self._events(events, req.rid):
                 finished = ev.finish_reason is not None
                 if finished:

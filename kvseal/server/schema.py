@@ -153,6 +153,15 @@ class Sampling(Strict):
         return None
 
     @property
+    def prompt_logprobs_k(self) -> int | None:
+        """How many alternatives each prompt token's logprob comes with, if they are asked for (None: not)."""
+        return None
+
+    @property
+    def score_only(self) -> bool:
+        return False
+
+    @property
     def max_new(self) -> int | None:
         return self.max_tokens
 
@@ -229,14 +238,15 @@ def check_tools(req: ChatRequest) -> None:
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions; 0 only with echo
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.echo and self.logprobs is not None:
-            raise BadRequest("echo with logprobs (prompt logprobs) is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens: 0 asks for no output: only with echo (to score the prompt)",
+                             param="max_tokens")
         if not self.prompt or any(not p for p in self.prompts):
             raise BadRequest("prompt must not be empty", param="prompt")
         if len(self.prompts) * self.n > MAX_N:
@@ -253,6 +263,17 @@ class CompletionRequest(Sampling):
     @property
     def top_logprobs_k(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """echo with logprobs: the prompt's tokens come back with their logprobs too, as OpenAI's legacy
+        completions give them (what lm-evaluation-harness scores with)."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def score_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone comes back (vLLM generates one token and drops it)."""
+        return self.echo and self.max_tokens == 0
 
 
 class TokenizeRequest(Strict):

@@ -25,9 +25,9 @@ from kvseal.errors import EngineError
 if TYPE_CHECKING:
     import torch
 
-VERSION = 4  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout;
+VERSION = 5  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout;
 # 4: every sampling parameter travels (SamplingParams.to_wire), logprobs ride with tokens, leases carry a
-# capability that commits and WriterDone must present
+# capability that commits and WriterDone must present; 5: prompt logprobs (a sampling parameter, and in Ack)
 
 
 class Logprob(msgspec.Struct, array_like=True, frozen=True):
@@ -122,6 +122,7 @@ class Ack(Msg):
     first_token: int = -1
     first_logprob: Logprob | None = None  # prefill's, for the router; not covered by the checksum
     cached_tokens: int = 0  # prompt tokens prefill read from its prefix cache (usage and metrics)
+    prompt_logprobs: list[Logprob] | None = None  # prefill's, when asked for (echo with logprobs)
 
 
 class Abort(Msg):
