@@ -93,6 +93,8 @@ def test_completions_with_stop_and_seed(client):
     ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),  # torch takes 64 bits
     ({"messages": [{"role": "user", "content": "hi"}], "seed": -(2**63) - 1}, "seed"),
@@ -169,6 +171,7 @@ FIELDS = {  # a value of the field's type, often in range; or any JSON at all
     "repetition_penalty": st.floats(0, 3), "min_tokens": ints(0, 4), "echo": st.booleans(),
     "logit_bias": st.dictionaries(ints(-2, 50_000).map(str), st.floats(-101, 101), max_size=2),
     "logprobs": st.booleans() | ints(0, 21), "top_logprobs": ints(0, 21), "ignore_eos": st.booleans(),
+    "prompt_logprobs": ints(-1, 21),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])}),
     "max_completion_tokens": ints(0, 3), "add_special_tokens": st.booleans(),
     "tokens": st.lists(ints(-2, 50_000), max_size=3),
@@ -180,7 +183,8 @@ FIELDS = {  # a value of the field's type, often in range; or any JSON at all
     "tool_choice": st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
         {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}),
     "parallel_tool_calls": st.booleans()}
-INT_FIELDS = ["max_tokens", "max_completion_tokens", "seed", "n", "top_k", "min_tokens", "logprobs", "top_logprobs"]
+INT_FIELDS = ["max_tokens", "max_completion_tokens", "seed", "n", "top_k", "min_tokens", "logprobs", "top_logprobs",
+              "prompt_logprobs"]
 MESSAGES = st.lists(st.fixed_dictionaries({
     "role": st.sampled_from(["user", "system", "assistant", "developer", "tool"]),
     "content": st.text(max_size=20) | st.lists(st.fixed_dictionaries({"type": st.just("text"),

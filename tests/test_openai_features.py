@@ -244,6 +244,40 @@ def test_echo_with_logprobs_scores_the_prompt(client, server):
     wait_pages_back(server)
 
 
+def test_vllm_prompt_logprobs_in_completions_and_chat(client, server):
+    """vLLM's prompt_logprobs extension: per prompt token None, then {id: {logprob, rank, decoded_token}} for the
+    token itself and the k most likely; the same numbers as echo with logprobs; chat carries one list at the top
+    level; streaming refuses it (as vLLM)."""
+    prompt = "One, two, three, four"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None and r.choices[0].logprobs is None
+    for tid, entry in zip(ids[1:], pl[1:]):
+        own = entry[str(tid)]
+        ranked = sorted(entry.values(), key=lambda e: e["rank"])
+        assert own["rank"] >= 1 and [e["rank"] for e in ranked][:2] == [1, 2] and len(entry) in (2, 3)
+        assert ranked[0]["logprob"] >= ranked[1]["logprob"] >= -9999 and ranked[0]["logprob"] >= own["logprob"]
+        assert (own["rank"] > 2) <= (len(entry) == 3)  # a token below the top 2 is listed beside them
+    first = httpx.post(server.url + "/detokenize", json={"tokens": ids[:1]}, timeout=30).json()["prompt"]
+    assert first + "".join(pl[i][str(t)]["decoded_token"] for i, t in enumerate(ids) if i) == prompt
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    theirs = echo.choices[0].logprobs.token_logprobs[1:len(ids)]
+    assert [pl[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(theirs, abs=0.05)
+    assert all(len(e) == 1 for e in echo.choices[0].logprobs.top_logprobs[1:])  # echo's alternatives: logprobs=1
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    cp = c.model_extra["prompt_logprobs"]
+    n = httpx.post(server.url + "/tokenize", json={"messages": CHAT}, timeout=30).json()["count"]
+    assert len(cp) == n == c.usage.prompt_tokens and cp[0] is None and all(len(e) == 1 for e in cp[1:])
+    assert all(v["rank"] >= 1 and v["logprob"] <= 0 for e in cp[1:] for v in e.values())
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
+    wait_pages_back(server)
+
+
 def test_tokenize_detokenize_round_trip(server):
     t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello, world!"}, timeout=30).json()
     assert t["count"] == len(t["tokens"]) > 1 and t["max_model_len"] == 8192

@@ -134,11 +134,14 @@ def prompt_logprobs(rows: torch.Tensor, targets: list[int], k: int) -> list[Logp
     """The logprob of each ``targets[i]`` under ``rows[i]`` (the model's own distribution: no sampling parameter
     applies to a prompt, as in vLLM), with the ``k`` most likely tokens."""
     lp = torch.log_softmax(rows.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
-    got = lp.gather(1, torch.tensor(targets, dtype=torch.int64).unsqueeze(1)).squeeze(1).tolist()
+    got = lp.gather(1, torch.tensor(targets, dtype=torch.int64).unsqueeze(1))
+    ranks = ((lp > got).sum(dim=1) + 1).tolist()  # 1 + how many tokens were more likely
+    got = got.squeeze(1).tolist()
     if not k:
-        return [Logprob(t, v) for t, v in zip(targets, got)]
+        return [Logprob(t, g, rank=r) for t, g, r in zip(targets, got, ranks)]
     v, i = lp.topk(k, dim=-1)
-    return [Logprob(t, g, list(zip(ii, vv))) for t, g, ii, vv in zip(targets, got, i.tolist(), v.tolist())]
+    return [Logprob(t, g, list(zip(ii, vv)), r)
+            for t, g, r, ii, vv in zip(targets, got, ranks, i.tolist(), v.tolist())]
 
 
 def _draw(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

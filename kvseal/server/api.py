@@ -296,16 +296,18 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                 f.text = echo[r.index // req.n] + f.text
         if req.prompt_logprobs_k is not None:
             for r in replies:
-                r.echo_ids = plans[r.index // req.n][0]
-                if len(r.prompt_lps) != len(r.echo_ids) - 1:  # a bug: never an answer that misses some
+                r.prompt_ids = plans[r.index // req.n][0]
+                if len(r.prompt_lps) != len(r.prompt_ids) - 1:  # a bug: never an answer that misses some
                     await close_all(replies, [])
-                    raise EngineError(f"prompt logprobs: {len(r.prompt_lps)} for a prompt of {len(r.echo_ids)} "
+                    raise EngineError(f"prompt logprobs: {len(r.prompt_lps)} for a prompt of {len(r.prompt_ids)} "
                                       "tokens")
+                r.echo_ids = r.prompt_ids if req.echo_logprobs else None
         leaders = replies[::req.n]  # each prompt's first choice: the others share its pages, not the cache's
         for (prompt, _), r in zip(plans, leaders):
             metrics.cache_lookup(tenant, len(prompt), r.cached_tokens)
         fmt = Formatter(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), req.model, chat, strings,
-                        sum(len(p) for p in prompts), sum(r.cached_tokens for r in leaders), tool_mode)
+                        sum(len(p) for p in prompts), sum(r.cached_tokens for r in leaders), tool_mode,
+                        echo_k=req.top_logprobs_k, prompt_k=req.prompt_logprobs)
         want = req.top_logprobs_k is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -57,6 +57,7 @@ class Reply:
         self.cached_tokens = 0  # of the prompt, read from the prefix cache
         self.tenant: str | None = None
         self.prompt_lps: tuple[Logprob, ...] = ()  # prompt tokens 1.., when asked for (echo with logprobs)
+        self.prompt_ids: list[int] = []  # the prompt, when its logprobs were asked for
         self.echo_ids: list[int] | None = None  # the prompt, while its logprobs wait to go out before the output's
 
     async def first(self) -> Piece:
@@ -106,9 +107,12 @@ class Formatter:
     """OpenAI's response shapes for chat and completions: choices, logprobs, usage."""
 
     def __init__(self, ident: str, model: str, chat: bool, strings: TokenStrings, n_prompt: int,
-                 cached: int = 0, tool_mode: object = None) -> None:
+                 cached: int = 0, tool_mode: object = None, echo_k: int | None = None,
+                 prompt_k: int | None = None) -> None:
         self.ident, self.model, self.chat, self.strings, self.n_prompt = ident, model, chat, strings, n_prompt
         self.cached = cached
+        self.echo_k = echo_k  # completions' logprobs: the echoed prompt's alternatives, as many as the output's
+        self.prompt_k = prompt_k  # vLLM's prompt_logprobs: the answer carries them, with this many alternatives
         self.tool_mode = tool_mode  # a Tool, "required" or "auto": the output is or may be tool calls (tools.py)
         self.streamed: dict[int, StreamedCalls] = {}
         self.created = int(time.time())
@@ -123,7 +127,8 @@ class Formatter:
         logprobs = self.logprobs(r, lps) if lps is not None else None
         finish = finish if delta else r.finish
         if not self.chat:
-            return {"index": r.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            c = {"index": r.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            return c | {"prompt_logprobs": self.prompt_logprobs(r)} if self.prompt_k is not None and not delta else c
         if delta:
             if self.tool_mode is not None:
                 streamed = self.streamed.setdefault(r.index, StreamedCalls(self.tool_mode))
@@ -151,7 +156,7 @@ class Formatter:
         if r.echo_ids is not None:  # echoed: the prompt's tokens first, the first with nothing to predict it
             prompt, r.echo_ids = r.echo_ids, None
             out["token_logprobs"] += [None] + [x.logprob for x in r.prompt_lps]
-            out["top_logprobs"] += [None] + [{s.text(t): v for t, v in x.top} for x in r.prompt_lps]
+            out["top_logprobs"] += [None] + [{s.text(t): v for t, v in x.top[:self.echo_k]} for x in r.prompt_lps]
             for tid in prompt:
                 out["tokens"].append(s.text(tid))
                 out["text_offset"].append(r.offset)
@@ -164,6 +169,17 @@ class Formatter:
         out["top_logprobs"] += [{s.text(t): v for t, v in x.top} for x in lps]
         return out
 
+    def prompt_logprobs(self, r: Reply) -> list[dict | None]:
+        """vLLM's shape: per prompt token, None for the first, then {token id: {logprob, rank, decoded_token}} for
+        the token itself and the ``prompt_k`` most likely."""
+        s, out = self.strings, [None]
+        for x in r.prompt_lps:
+            entry = {str(x.token): {"logprob": x.logprob, "rank": x.rank, "decoded_token": s.text(x.token)}}
+            for rank, (t, v) in enumerate(x.top[: self.prompt_k], 1):
+                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": s.text(t)})
+            out.append(entry)
+        return out
+
     def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = {"id": self.ident, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -173,9 +189,12 @@ class Formatter:
 
     def body(self, replies: list[Reply], texts: list[str], lps: list[tuple[Logprob, ...] | None]) -> dict:
         obj = "chat.completion" if self.chat else "text_completion"
-        return {"id": self.ident, "object": obj, "created": self.created, "model": self.model,
+        body = {"id": self.ident, "object": obj, "created": self.created, "model": self.model,
                 "choices": [self.choice(r, t, lp, delta=False) for r, t, lp in zip(replies, texts, lps)],
                 "usage": self.usage(replies)}
+        if self.chat and self.prompt_k is not None:  # vLLM: one list for the request's one prompt
+            body["prompt_logprobs"] = self.prompt_logprobs(replies[0])
+        return body
 
 
 async def close_all(replies: list[Reply], tasks: list[asyncio.Task]) -> None:

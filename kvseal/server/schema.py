@@ -117,6 +117,7 @@ class Sampling(Strict):
     min_tokens: int = Field(default=0, ge=0)
     response_format: ResponseFormat | None = None
     ignore_eos: bool = False  # vLLM-style extension, used by benchmarks
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extension: the answer's prompt_logprobs
 
     @field_validator("stop")
     @classmethod
@@ -139,6 +140,8 @@ class Sampling(Strict):
             raise BadRequest("min_tokens must not exceed max_tokens", param="min_tokens")
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM answers it
+            raise BadRequest("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
 
     def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         pairs = tuple((int(t), b) for t, b in (self.logit_bias or {}).items())
@@ -155,10 +158,14 @@ class Sampling(Strict):
     @property
     def prompt_logprobs_k(self) -> int | None:
         """How many alternatives each prompt token's logprob comes with, if they are asked for (None: not)."""
-        return None
+        return self.prompt_logprobs
 
     @property
     def score_only(self) -> bool:
+        return False
+
+    @property
+    def echo_logprobs(self) -> bool:
         return False
 
     @property
@@ -268,7 +275,12 @@ class CompletionRequest(Sampling):
     def prompt_logprobs_k(self) -> int | None:
         """echo with logprobs: the prompt's tokens come back with their logprobs too, as OpenAI's legacy
         completions give them (what lm-evaluation-harness scores with)."""
-        return self.logprobs if self.echo else None
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(ks) if ks else None
+
+    @property
+    def echo_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @property
     def score_only(self) -> bool:

@@ -36,6 +36,7 @@ class Logprob(msgspec.Struct, array_like=True, frozen=True):
     token: int
     logprob: float
     top: list[tuple[int, float]] = []
+    rank: int = 0  # 1 = the most likely token; a prompt token's (vLLM's prompt_logprobs), 0 where not computed
 
 
 class Msg(msgspec.Struct, kw_only=True):
