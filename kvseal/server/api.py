@@ -296,12 +296,11 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                 f.text = echo[r.index // req.n] + f.text
         if req.prompt_logprobs_k is not None:
             for r in replies:
-                r.prompt_ids = plans[r.index // req.n][0]
-                if len(r.prompt_lps) != len(r.prompt_ids) - 1:  # a bug: never an answer that misses some
+                prompt = plans[r.index // req.n][0]
+                if len(r.prompt_lps) != len(prompt) - 1:  # a bug: never an answer that misses some
                     await close_all(replies, [])
-                    raise EngineError(f"prompt logprobs: {len(r.prompt_lps)} for a prompt of {len(r.prompt_ids)} "
-                                      "tokens")
-                r.echo_ids = r.prompt_ids if req.echo_logprobs else None
+                    raise EngineError(f"prompt logprobs: {len(r.prompt_lps)} for a prompt of {len(prompt)} tokens")
+                r.echo_ids = prompt if req.echo_logprobs else None
         leaders = replies[::req.n]  # each prompt's first choice: the others share its pages, not the cache's
         for (prompt, _), r in zip(plans, leaders):
             metrics.cache_lookup(tenant, len(prompt), r.cached_tokens)

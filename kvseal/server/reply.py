@@ -57,7 +57,6 @@ class Reply:
         self.cached_tokens = 0  # of the prompt, read from the prefix cache
         self.tenant: str | None = None
         self.prompt_lps: tuple[Logprob, ...] = ()  # prompt tokens 1.., when asked for (echo with logprobs)
-        self.prompt_ids: list[int] = []  # the prompt, when its logprobs were asked for
         self.echo_ids: list[int] | None = None  # the prompt, while its logprobs wait to go out before the output's
 
     async def first(self) -> Piece:
