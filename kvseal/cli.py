@@ -62,8 +62,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-pool-below-context", action="store_true",
                    help="cap the served context at the pool instead of refusing to start")
     p.add_argument("--max-running", type=COUNT, default=64, help="requests in the running batch at most")
-    p.add_argument("--step-token-budget", type=COUNT, default=512,
-                   help="tokens per engine step (decodes + prefill chunks); bounds every stream's inter-token gap")
+    p.add_argument("--step-token-budget", type=COUNT, default=None,
+                   help="tokens per engine step (decodes + prefill chunks); bounds every stream's inter-token gap "
+                        "(default: 512; 1024 on a prefill worker, which streams nothing itself)")
     p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
                    help="linear-layer weights: bf16 (fp32 models widen them in the GEMM), fp32 (exact, fp32 models), "
                         "or weight-only int8/int4 for steps of few rows (bf16 above); auto: fp32 with --dtype fp32, "

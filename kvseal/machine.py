@@ -63,6 +63,7 @@ def one_line(f: dict) -> str:
     return (f"kvseal: {f['cpu']} [{' '.join(f['features']) or 'no listed features'}]; {kernels}; "
             f"dtype {f['dtype']} ({f['dtype_why']}); weights {f['weights']}; {f['threads']} threads; "
             f"torch {f['torch']}" + (f"; device {f['device']}" if "device" in f else "")
+            + (f"; steps of {f['step_tokens']} tokens" if "step_tokens" in f else "")
             + ("; KV pages staged through host memory" if f.get("kv_staged") else ""))
 
 

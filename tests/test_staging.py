@@ -76,6 +76,21 @@ def test_both_workers_say_their_pages_are_staged(staged):
         assert signed("GET", s.url + "/health").json()["machine"]["kv_staged"] is True
 
 
+def test_a_prefill_worker_runs_longer_steps_than_a_decode_worker_unless_told(staged):
+    """A prefill worker streams nothing itself: its default chunks are twice decode's (kvseal.config.STEP_TOKENS).
+    Each worker says its budget (start line, /health); ``--step-token-budget`` sets both."""
+    from kvseal.cli import parser
+    from kvseal.config import step_token_budget
+    from kvseal.server.launch import _worker_argv
+
+    steps = [signed("GET", s.url + "/health").json()["machine"]["step_tokens"] for s in (staged.pre, staged.dec)]
+    assert steps == [1024, 512]
+    assert step_token_budget(None, "colocated") == 512 and step_token_budget(300, "prefill") == 300
+    argv = _worker_argv(parser().parse_args(["serve", "--step-token-budget", "300"]))
+    assert argv[argv.index("--step-token-budget") + 1] == "300"
+    assert "--step-token-budget" not in _worker_argv(parser().parse_args(["serve"]))  # each worker picks its own
+
+
 def text(url: str, prompt: str, n: int = 16) -> str:
     r = complete(url, prompt, n)
     assert r.status_code == 200, r.text

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvseal.config import EngineConfig, PoolConfig, WorkerSpec, torch_dtype
+from kvseal.config import EngineConfig, PoolConfig, WorkerSpec, step_token_budget, torch_dtype
 from kvseal.engine.engine import Engine
 from kvseal.engine.grammar import Grammars
 from kvseal.kv.pool import PagePool
@@ -83,7 +83,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
                                             storage=None if landing is not None else kv, device=spec.device,
                                             landing=landing), threads=LOAD_THREADS)
     cfg = EngineConfig(pool=pool_cfg, dtype=dtype_name, max_running=spec.max_running,
-                       step_token_budget=spec.step_token_budget, context_window=sizing.served_context,
+                       step_token_budget=step_token_budget(spec.step_token_budget, role), context_window=sizing.served_context,
                        threads=spec.threads, prefix_cache=spec.prefix_cache, protections=spec.protections)
     engine = Engine(cfg, lm.model, pool, role=role, handoff=handoff, metrics=metrics)
     if metrics is not None:
@@ -92,6 +92,7 @@ def build_engine(spec: WorkerSpec, role: str = "colocated", storage: Callable | 
         metrics._pool_counts = engine.page_counts
         metrics.add_source(engine_source(engine))
     engine.machine = facts(spec.dtype, spec.weights, spec.threads, spec.device)
+    engine.machine["step_tokens"] = cfg.step_token_budget
     if role in ("prefill", "decode"):  # how its pages reach the other worker (kvseal.transfer.staging)
         engine.machine["kv_staged"] = pool.landing is not None if role == "decode" else staged(spec.device)
     print(one_line(engine.machine), flush=True)
