@@ -182,7 +182,11 @@ FIELDS = {  # a value of the field's type, often in range; or any JSON at all
         max_size=2),
     "tool_choice": st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
         {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}),
-    "parallel_tool_calls": st.booleans()}
+    "parallel_tool_calls": st.booleans(),
+    "structured_outputs": st.fixed_dictionaries({}, optional={  # none, one or several forms: 200 or 400, never 500
+        "choice": st.lists(st.text(max_size=4), max_size=3), "regex": st.text(max_size=8),
+        "grammar": st.text(max_size=12) | st.just('start: "a" | "b"'), "json_object": st.booleans(),
+        "json": st.sampled_from([{"type": "object"}, {"type": "no-such-type"}, "{", '{"type": "integer"}', 3])})}
 INT_FIELDS = ["max_tokens", "max_completion_tokens", "seed", "n", "top_k", "min_tokens", "logprobs", "top_logprobs",
               "prompt_logprobs"]
 MESSAGES = st.lists(st.fixed_dictionaries({

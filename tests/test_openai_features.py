@@ -1,8 +1,10 @@
 """The OpenAI features vLLM users rely on, through the official client, colocated and disaggregated alike:
-n > 1, logprobs, penalties and logit_bias, min_tokens and stop_token_ids, structured output, completions
-batches and echo (with the prompt's logprobs), /tokenize and /detokenize."""
+n > 1, logprobs, penalties and logit_bias, min_tokens and stop_token_ids, structured output (OpenAI's
+response_format and vLLM's structured_outputs), completions batches and echo (with the prompt's logprobs),
+/tokenize and /detokenize."""
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -168,6 +170,34 @@ def test_min_tokens_beside_a_grammar_ends_where_the_grammar_ends(client, server)
         assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 30, r
         assert json.loads(r.choices[0].message.content) in ({"ok": True}, {"ok": False})
     wait_pages_back(server)
+
+
+STRUCTURED = [  # vLLM's structured_outputs: each form, and what its output must be
+    ({"choice": ["zebra crossing", "platypus", 'a "quoted"\nline']},
+     lambda t: t in ("zebra crossing", "platypus", 'a "quoted"\nline')),
+    ({"regex": r"[0-9]{3}-[a-z]{2,4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+    ({"grammar": 'start: "Q" NUM ("," NUM)?\nNUM: /[0-9]{1,3}/'},  # Lark
+     lambda t: re.fullmatch(r"Q[0-9]{1,3}(,[0-9]{1,3})?", t)),
+    ({"grammar": 'root ::= ("yes" | "no") " " [a-c]'}, lambda t: re.fullmatch(r"(yes|no) [a-c]", t)),  # GBNF
+    ({"json": SCHEMAS[0]}, lambda t: jsonschema.validate(json.loads(t), SCHEMAS[0]) is None),
+    ({"json": json.dumps(SCHEMAS[2])}, lambda t: jsonschema.validate(json.loads(t), SCHEMAS[2]) is None),
+    ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+]
+
+
+@pytest.mark.parametrize("form,holds", STRUCTURED, ids=["choice", "regex", "lark", "gbnf", "json", "json-text",
+                                                        "json-object"])
+def test_vllm_structured_outputs_hold_the_output_to_its_form(client, form, holds):
+    """vLLM's ``structured_outputs`` (``extra_body``; its ``guided_*`` fields before v0.12), greedy and sampled,
+    chat and completions: the output is that form, whole (it ends by the grammar, not by max_tokens)."""
+    for temperature in (0, 1.0):
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=160, temperature=temperature,
+                                           seed=5, extra_body={"structured_outputs": form})
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop" and holds(text), (form, text)
+    r = client.completions.create(model=MODEL, prompt="Colors: red, green,", max_tokens=160, temperature=0,
+                                  extra_body={"structured_outputs": form})
+    assert r.choices[0].finish_reason == "stop" and holds(r.choices[0].text), (form, r.choices[0].text)
 
 
 def test_logprobs_of_tokens_a_grammar_rules_out_are_floored_as_openai_reports_them(client, server):
@@ -444,3 +474,23 @@ def test_a_template_that_knows_tool_calls_gets_them_with_their_arguments_as_obje
     assert rendered.endswith("assistant:<call get_time UTC>;tool:12:00(call_1);"), rendered
     plain = template_messages(msgs, "{% for m in messages %}{{ m.content }}{% endfor %}")
     assert json.loads(plain[1]["content"]) == [{"name": "get_time", "arguments": {"zone": "UTC"}}]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: ???"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": "not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "no-such-type"}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["a"]}, "tools": [WEATHER], "tool_choice": "required"}, "structured_outputs"),
+])
+def test_structured_outputs_kvseal_cannot_serve_are_400s_naming_the_field(server, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4} | body,
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -1,9 +1,11 @@
-"""Structured output: ``response_format`` compiled to a grammar by llguidance, enforced as a token mask.
+"""Structured output: ``response_format`` (or vLLM's ``structured_outputs``) compiled to a grammar by llguidance,
+enforced as a token mask.
 
-The front door compiles a JSON schema (or "any JSON object") into an llguidance grammar string and rejects
-one the library cannot compile (400). The grammar string travels with the request's sampling parameters to
-whichever engine samples (the colocated engine; prefill for the first token, decode for the rest), and each
-engine builds its own matcher from it, replaying the tokens the request already has. The mask removes every
+The front door compiles a JSON schema (or "any JSON object", a regex, a list of choices, a Lark or GBNF grammar)
+into an llguidance grammar string and rejects one the library cannot compile (400). The grammar string travels
+with the request's sampling parameters to whichever engine samples (the colocated engine; prefill for the first
+token, decode for the rest), and each engine builds its own matcher from it, replaying the tokens the request
+already has. The mask removes every
 token the grammar cannot take next; once the grammar is complete only EOS is allowed.
 """
 
@@ -38,14 +40,42 @@ def compile_response_format(fmt: dict | None) -> str | None:
 
 def compile_json_schema(schema: dict, param: str) -> str:
     """A JSON schema → an llguidance grammar string; 400 naming ``param`` if it cannot be compiled."""
+    return _checked(lambda: llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), defaults={"whitespace_flexible": False}), param, "the schema")
+
+
+def compile_structured(kind: str, value: object) -> str:
+    """vLLM's ``structured_outputs`` (``kvseal.server.schema.StructuredOutputs.form``) → an llguidance grammar:
+    a JSON schema (or its text), any JSON object, a regex the whole output matches, one of a list of strings
+    exactly, or a Lark / GBNF grammar. 400 naming the field if it cannot be compiled."""
+    param = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        return compile_json_schema({"type": "object"}, param)
+    if kind == "json":
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            raise BadRequest(f"{param} is neither a JSON schema object nor its JSON text", param=param) from None
+        if not isinstance(schema, dict):
+            raise BadRequest(f"{param} must be a JSON schema object", param=param)
+        return compile_json_schema(schema, param)
+    if kind == "choice":
+        if not all(value):
+            raise BadRequest(f"{param}: every choice must be a non-empty string", param=param)
+        return _checked(lambda: llguidance.grammar_from("choice", value), param, "the choices")
+    if kind == "regex":
+        return _checked(lambda: llguidance.LLMatcher.grammar_from_regex(value), param, "the regex")
+    return _checked(lambda: llguidance.grammar_from("grammar", value), param, "the grammar")
+
+
+def _checked(make: Callable[[], str], param: str, what: str) -> str:
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                                defaults={"whitespace_flexible": False})
+        grammar = make()
         err = llguidance.LLMatcher.validate_grammar(grammar)
     except (ValueError, TypeError, RuntimeError) as e:
         err = str(e)
     if err:
-        raise BadRequest(f"{param}: the schema cannot be compiled: {err}", param=param)
+        raise BadRequest(f"{param}: {what} cannot be compiled: {err}", param=param)
     return grammar
 
 

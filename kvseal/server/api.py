@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
 from kvseal import __version__
-from kvseal.engine.grammar import compile_response_format
+from kvseal.engine.grammar import compile_response_format, compile_structured
 from kvseal.engine.request import SamplingParams, choice_seed
 from kvseal.errors import BadRequest, ContextLengthError, EngineError
 from kvseal.kv.tags import tenant_tag
@@ -266,6 +266,8 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                                 f"{', '.join(map(repr, served.names))}", param="model")
         with_defaults(req, served.defaults)
         grammar = compile_response_format(req.response_format.spec()) if req.response_format else None
+        if req.structured_outputs is not None:  # never beside response_format (Sampling.unsupported)
+            grammar = compile_structured(*req.structured_outputs.form())
         tool_mode = req.tool_mode(served.tool_parser) if chat else None
         if tool_mode is not None and tool_mode != "auto":
             grammar = tool_grammar(tool_mode, req.tools, req.parallel_tool_calls)

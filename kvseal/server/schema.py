@@ -1,7 +1,8 @@
 """OpenAI request bodies, strict: an unknown or unsupported parameter is a 400 that names it.
 
 Besides OpenAI's parameters, the vLLM extensions its users rely on are accepted (``top_k``, ``min_p``,
-``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``). Everything else is rejected by
+``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``,
+``structured_outputs``). Everything else is rejected by
 ``extra="forbid"``; combinations kvseal does not serve are rejected in ``unsupported``.
 """
 
@@ -96,6 +97,27 @@ class ResponseFormat(Strict):
         return {"type": self.type, "json_schema": {"schema": schema}}
 
 
+class StructuredOutputs(Strict):
+    """vLLM's ``structured_outputs`` (its ``guided_json`` … fields before v0.12): exactly one form the output
+    must take, enforced by the same llguidance grammar as ``response_format`` (``kvseal.engine.grammar``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None  # Lark, or GBNF as llama.cpp writes it
+    json_object: bool | None = None
+
+    def form(self) -> tuple[str, Any]:
+        given = [(k, v) for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                     ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if v is not None]
+        if len(given) != 1:
+            raise BadRequest("structured_outputs takes exactly one of json, regex, choice, grammar and json_object",
+                             param="structured_outputs")
+        return given[0]
+
+
 class Sampling(Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -118,6 +140,7 @@ class Sampling(Strict):
     response_format: ResponseFormat | None = None
     ignore_eos: bool = False  # vLLM-style extension, used by benchmarks
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extension: the answer's prompt_logprobs
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: the output's form
 
     @field_validator("stop")
     @classmethod
@@ -142,6 +165,11 @@ class Sampling(Strict):
             raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM answers it
             raise BadRequest("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+        if self.structured_outputs is not None:
+            self.structured_outputs.form()
+            if self.response_format is not None and self.response_format.type != "text":
+                raise BadRequest("response_format and structured_outputs both set the output's form: give one",
+                                 param="structured_outputs")
 
     def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         pairs = tuple((int(t), b) for t, b in (self.logit_bias or {}).items())
@@ -241,6 +269,9 @@ def check_tools(req: ChatRequest) -> None:
     if choice != "none" and req.response_format is not None and req.response_format.type != "text":
         raise BadRequest("response_format and a tool choice both set the output's form: give one",
                          param="response_format")
+    if choice != "none" and req.structured_outputs is not None:
+        raise BadRequest("structured_outputs and a tool choice both set the output's form: give one",
+                         param="structured_outputs")
 
 
 class CompletionRequest(Sampling):
