@@ -183,6 +183,9 @@ FIELDS = {  # a value of the field's type, often in range; or any JSON at all
     "tool_choice": st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
         {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}),
     "parallel_tool_calls": st.booleans(),
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "messages", "tools", "x"]),
+                                            st.booleans() | st.none() | st.text(max_size=3), max_size=2),
     "structured_outputs": st.fixed_dictionaries({}, optional={  # none, one or several forms: 200 or 400, never 500
         "choice": st.lists(st.text(max_size=4), max_size=3), "regex": st.text(max_size=8),
         "grammar": st.text(max_size=12) | st.just('start: "a" | "b"'), "json_object": st.booleans(),

@@ -270,13 +270,14 @@ def test_served_disaggregated_over_http_it_answers_as_transformers(name, root, t
 
 
 # -- vLLM's model flags -----------------------------------------------------------------------------------
-TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'forbidden' %}{{ raise_exception('not that') }}{% endif %}"
+            "<<{{ m['content'] }}>>{% endfor %}{% if shout %}!!{% endif %}")
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_vllm_model_flags_reach_the_front_door(mode, root, tokenizer_dir, tmp_path):
     """--served-model-name (two names), --max-model-len, --generation-config (its defaults apply where a request
-    is silent, a request's own values win), in both modes (the launcher hands the front door's flags to the
+    is silent, a request's own values win), a request's chat_template_kwargs, in both modes (the launcher hands the front door's flags to the
     router); the chat template comes from --chat-template (colocated) or from a --tokenizer that carries it
     (disaggregated)."""
     import httpx
@@ -303,6 +304,13 @@ def test_vllm_model_flags_reach_the_front_door(mode, root, tokenizer_dir, tmp_pa
         tok = load_tokenizer(d)
         ids = httpx.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
         assert ids == tok.encode("<<hi>>", add_special_tokens=False)
+        # vLLM's chat_template_kwargs reach the template; a template's raise_exception is a 400, not a 500
+        loud = httpx.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "chat_template_kwargs": {"shout": True}}).json()["tokens"]
+        assert loud == tok.encode("<<hi>>!!", add_special_tokens=False)
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "model": "small", "messages": [{"role": "user", "content": "forbidden"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "not that" in r.text, r.text
         prompt = tok.encode(TEXT, add_special_tokens=False)[:20]
         with torch.no_grad():
             ref = hf_model(d).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 20, dtype=torch.int64),

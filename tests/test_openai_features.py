@@ -354,6 +354,27 @@ def test_echo_and_prompt_logprobs_beside_every_field_they_meet(server, body):
         assert out["usage"]["completion_tokens"] == 0 and all(c["finish_reason"] == "length" for c in out["choices"])
 
 
+def test_vllm_continue_final_message_leaves_the_last_message_open(client, server):
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt: false``): the assistant's message is
+    rendered without its end of turn and the answer continues it, as the same prompt sent as token ids does.
+    Both flags true is a 400, as in vLLM; so is a ``chat_template_kwargs`` that would replace what the server
+    hands the template."""
+    msgs = CHAT + [{"role": "assistant", "content": "Red, green"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    tok = lambda body: httpx.post(server.url + "/tokenize", json=body, timeout=30).json()["tokens"]  # noqa: E731
+    open_ids, closed = tok({"messages": msgs, **flags}), tok({"messages": msgs, "add_generation_prompt": False})
+    tail = tok({"prompt": "Red, green"})
+    assert open_ids[-len(tail):] == tail and len(closed) > len(open_ids), (open_ids, closed)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, extra_body=flags)
+    same = client.completions.create(model=MODEL, prompt=open_ids, max_tokens=10, temperature=0)
+    assert r.usage.prompt_tokens == len(open_ids) and r.choices[0].message.content == same.choices[0].text
+    for body, param in (({"continue_final_message": True}, "continue_final_message"),
+                        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs")):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            q = httpx.post(server.url + path, json={"model": MODEL, "messages": msgs, **body}, timeout=30)
+            assert q.status_code == 400 and q.json()["error"]["param"] == param, q.text
+
+
 def test_tokenize_detokenize_round_trip(server):
     t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello, world!"}, timeout=30).json()
     assert t["count"] == len(t["tokens"]) > 1 and t["max_model_len"] == 8192

@@ -81,6 +81,10 @@ async def unless_gone(request: Request, aw: Awaitable[T], poll: float = 0.25) ->
 # a JSON escape of a UTF-16 surrogate; a pair of them decodes to one character, a lone one to no text at all
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
+# what the front door itself hands the chat template: not for a request's chat_template_kwargs to replace
+TEMPLATE_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                           "tokenize", "return_dict", "chat_template", "tokenizer"})
+
 
 def lone_surrogate(x: object) -> bool:
     """Whether a decoded JSON value holds a string no tokenizer can encode (a lone surrogate escape)."""
@@ -212,7 +216,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     async def chat(request: Request) -> Response:
         backend.check_capacity()
         req = await parse(request, ChatRequest)
-        return await serve(request, req, [chat_prompt(req.messages, True, req.tools)], chat=True)
+        return await serve(request, req, [chat_prompt(req)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -231,7 +235,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         if (req.prompt is None) == (req.messages is None):
             raise BadRequest("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = chat_prompt(req.messages, req.add_generation_prompt, req.tools)
+            ids = chat_prompt(req)
         else:
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": backend.context_window, "tokens": ids,
@@ -245,11 +249,32 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
             raise BadRequest(f"token ids must be in 0..{vocab - 1}", param="tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
-    def chat_prompt(messages: list, generation_prompt: bool, tools: list | None = None) -> list[int]:
-        msgs = template_messages(messages, str(getattr(tokenizer, "chat_template", None) or ""))
-        described = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
-        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=True,
-                                                  return_dict=False, **described))
+    def chat_prompt(req: ChatRequest | TokenizeRequest) -> list[int]:
+        """The messages through the chat template, as vLLM renders them: ``tools=`` when given, vLLM's
+        ``add_generation_prompt``, ``continue_final_message`` (the last message left open, to be continued) and
+        ``chat_template_kwargs`` (more variables for the template). A template that refuses the messages
+        (``raise_exception``, as many do for roles out of order) is a 400, as in vLLM."""
+        import jinja2
+
+        extra = dict(req.chat_template_kwargs or {})
+        if reserved := sorted(TEMPLATE_ARGS & extra.keys()):
+            raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+        if req.continue_final_message and req.add_generation_prompt:  # vLLM's answer too
+            raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
+                             param="continue_final_message")
+        msgs = template_messages(req.messages, str(getattr(tokenizer, "chat_template", None) or ""))
+        if req.tools:
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            return list(tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False,
+                continue_final_message=req.continue_final_message, **extra))
+        except jinja2.TemplateError as e:
+            raise BadRequest(f"the chat template refused the messages: {e}", param="messages") from None
+        except ValueError as e:  # continue_final_message with a last message the template does not show whole
+            if not req.continue_final_message:
+                raise
+            raise BadRequest(f"continue_final_message: {e}", param="continue_final_message") from None
 
     def encode(p: str | list[int]) -> list[int]:
         if isinstance(p, str):

@@ -209,6 +209,9 @@ class ChatRequest(Sampling):
     tools: list[Tool] | None = Field(default=None, min_length=1)  # OpenAI: [] is too short
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True  # vLLM's extensions: how the chat template renders the messages
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -326,6 +329,8 @@ class TokenizeRequest(Strict):
     tools: list[Tool] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Strict):
