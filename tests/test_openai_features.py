@@ -113,8 +113,17 @@ def test_stop_token_ids_and_min_tokens(client, server):
     kw = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 10, "temperature": 0}
     r = client.completions.create(**kw, extra_body={"stop_token_ids": [comma]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 2  # " four" ","
+    assert r.choices[0].text == " four", "as vLLM: the stop token counts, its text is not the answer's"
     r = client.completions.create(**kw, extra_body={"stop_token_ids": [comma], "min_tokens": 4})
     assert r.usage.completion_tokens >= 4
+    # vLLM's include_stop_str_in_output keeps the stop token's text, and a matched stop string
+    for extra, stop, kept_text in (({"stop_token_ids": [comma]}, None, " four,"), ({}, [", f"], " four, f")):
+        for include in (False, True):
+            body = {"include_stop_str_in_output": include} | extra
+            whole = client.completions.create(**kw, stop=stop, extra_body=body).choices[0].text
+            streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=stop, extra_body=body,
+                                                                                    stream=True))
+            assert whole == streamed == (kept_text if include else " four"), (extra, stop, include, whole, streamed)
 
 
 SCHEMAS = [

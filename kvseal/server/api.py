@@ -303,6 +303,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                   "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                   "repetition_penalty": req.repetition_penalty, "logit_bias": req.bias(vocab), "grammar": grammar}
         plans = [(prompt, admit(req, prompt, chat)) for prompt in prompts]  # all admitted before any generates
+        stop_ids = frozenset(req.stop_token_ids or ())
         started = time.monotonic()
         replies: list[Reply] = []
         batch = secrets.randbits(62) if len(plans) * req.n > 1 else None
@@ -314,8 +315,8 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                 params = SamplingParams(max_tokens=max_new, seed=seed, **common)
                 rid = group if c == 0 and group is not None else secrets.randbits(62)
                 events = backend.generate(GenRequest(rid, tenant, prompt, params, group, batch))
-                replies.append(Reply(len(replies), events, TextStream(tokenizer, req.stop, req.min_tokens),
-                                     metrics, started, silent=req.score_only))
+                text = TextStream(tokenizer, req.stop, req.min_tokens, stop_ids, req.include_stop_str_in_output)
+                replies.append(Reply(len(replies), events, text, metrics, started, silent=req.score_only))
                 replies[-1].tenant = tenant
         firsts = await unless_gone(request, first_pieces(replies))  # raises the request's error before any status
         if echo:

@@ -2,7 +2,7 @@
 
 Besides OpenAI's parameters, the vLLM extensions its users rely on are accepted (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``,
-``structured_outputs``). Everything else is rejected by
+``structured_outputs``, ``include_stop_str_in_output``). Everything else is rejected by
 ``extra="forbid"``; combinations kvseal does not serve are rejected in ``unsupported``.
 """
 
@@ -141,6 +141,7 @@ class Sampling(Strict):
     ignore_eos: bool = False  # vLLM-style extension, used by benchmarks
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extension: the answer's prompt_logprobs
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: the output's form
+    include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string (or stop token's text)
 
     @field_validator("stop")
     @classmethod

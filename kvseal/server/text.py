@@ -13,11 +13,20 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer: object, stops: list[str], min_tokens: int = 0) -> None:
+    """``stop_ids``: the request's ``stop_token_ids``; the engine ends a request on the first one it samples
+    (never before ``min_tokens``), and as in vLLM its text is not part of the answer (the token still counts,
+    and has its logprob). ``include_stop``: vLLM's ``include_stop_str_in_output``, which keeps that text and
+    a matched stop string's."""
+
+    def __init__(self, tokenizer: object, stops: list[str], min_tokens: int = 0,
+                 stop_ids: frozenset[int] = frozenset(), include_stop: bool = False) -> None:
         self.tok = tokenizer
         self.stops = stops
         self.min_tokens = min_tokens  # as vLLM: no stop string ends a request before min_tokens
-        self.ids: list[int] = []
+        self.stop_ids = frozenset() if include_stop else stop_ids
+        self.include_stop = include_stop
+        self.count = 0  # tokens pushed
+        self.ids: list[int] = []  # those whose text is the answer's
         self.text = ""  # the output's text so far: ids[:read], whole characters
         self.prefix = self.read = 0  # ids[prefix:read]: the context the next tokens are decoded after
         self.sent = 0
@@ -28,7 +37,8 @@ class TextStream:
 
     def push(self, ids: tuple[int, ...] | list[int], final: bool = False) -> str:
         """Add tokens; return the new text that is safe to send."""
-        self.ids.extend(ids)
+        self.count += len(ids)
+        self.ids.extend(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
         context = self._decode(self.ids[self.prefix:self.read])
         window = self._decode(self.ids[self.prefix:])
         if not final and window.endswith("\ufffd"):
@@ -43,11 +53,11 @@ class TextStream:
         # skipped) would leave the next word first in its window, where SentencePiece drops its space
         self.prefix, self.read = (self.read if piece else self.prefix), len(self.ids)
         text = self.text
-        for s in self.stops if len(self.ids) >= self.min_tokens else ():
+        for s in self.stops if self.count >= self.min_tokens else ():
             at = text.find(s, max(0, self.sent - len(s)))
             if at != -1:
                 self.stopped = True
-                text = text[:at]
+                text = text[:at + len(s) * self.include_stop]
         end = len(text)
         if not final and not self.stopped:
             end -= self._partial_stop(text)
