@@ -384,6 +384,30 @@ def test_vllm_continue_final_message_leaves_the_last_message_open(client, server
             assert q.status_code == 400 and q.json()["error"]["param"] == param, q.text
 
 
+def test_vllm_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, server):
+    """vLLM's ``truncate_prompt_tokens: k``: the model reads the prompt's last k tokens (chat: of the rendered
+    conversation), as if they were the prompt; echo shows what it read; -1 keeps what the context holds; 0, a
+    count below -1 or one past the context is a 400."""
+    prompt = "One, two, three, four, five,"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    cut = client.completions.create(prompt=prompt, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 4}, **kw)
+    alone = client.completions.create(prompt=ids[-4:], **kw)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text.endswith(alone.choices[0].text)
+    assert cut.choices[0].text == httpx.post(server.url + "/detokenize", json={"tokens": ids[-4:]},
+                                             timeout=30).json()["prompt"] + alone.choices[0].text
+    whole = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1}, **kw)
+    assert whole.usage.prompt_tokens == len(ids)
+    r = client.chat.completions.create(messages=CHAT, extra_body={"truncate_prompt_tokens": 5}, **kw)
+    assert r.usage.prompt_tokens == 5
+    window = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    for k in (0, -2, window + 1):
+        q = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "truncate_prompt_tokens": k} | kw,
+                       timeout=30)
+        assert q.status_code == 400 and q.json()["error"]["param"] == "truncate_prompt_tokens", (k, q.text)
+
+
 def test_tokenize_detokenize_round_trip(server):
     t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello, world!"}, timeout=30).json()
     assert t["count"] == len(t["tokens"]) > 1 and t["max_model_len"] == 8192

@@ -216,17 +216,34 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     async def chat(request: Request) -> Response:
         backend.check_capacity()
         req = await parse(request, ChatRequest)
-        return await serve(request, req, [chat_prompt(req)], chat=True)
+        return await serve(request, req, [truncated(req, chat_prompt(req))], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         backend.check_capacity()
         req = await parse(request, CompletionRequest)
-        prompts = [encode(p) for p in req.prompts]
-        if any(not p for p in prompts):
+        given = [encode(p) for p in req.prompts]
+        if any(not p for p in given):
             raise BadRequest("prompt must not be empty", param="prompt")
-        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts] if req.echo else None
+        prompts = [truncated(req, p) for p in given]
+        echo = None
+        if req.echo:  # the prompt as the model read it: its text, or what is left of it after truncation
+            echo = [p if isinstance(p, str) and len(ids) == len(kept) else tokenizer.decode(kept)
+                    for p, ids, kept in zip(req.prompts, given, prompts)]
         return await serve(request, req, prompts, chat=False, echo=echo)
+
+    def truncated(req: Sampling, ids: list[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the context holds)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        window = backend.context_window
+        if k == -1:
+            k = window
+        if k > window:  # vLLM's answer too: a truncation the context could never hold
+            raise BadRequest(f"truncate_prompt_tokens ({k}) is greater than the context window ({window})",
+                             param="truncate_prompt_tokens")
+        return ids[-k:]
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

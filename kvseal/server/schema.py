@@ -2,8 +2,9 @@
 
 Besides OpenAI's parameters, the vLLM extensions its users rely on are accepted (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``,
-``structured_outputs``, ``include_stop_str_in_output``). Everything else is rejected by
-``extra="forbid"``; combinations kvseal does not serve are rejected in ``unsupported``.
+``structured_outputs``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``, and for chat the template's
+``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``). Everything else is rejected
+by ``extra="forbid"``; combinations kvseal does not serve are rejected in ``unsupported``.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class Sampling(Strict):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extension: the answer's prompt_logprobs
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: the output's form
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string (or stop token's text)
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens; -1: the context's worth
 
     @field_validator("stop")
     @classmethod
@@ -166,6 +168,10 @@ class Sampling(Strict):
             raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM answers it
             raise BadRequest("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1 \
+                and self.truncate_prompt_tokens < 1:
+            raise BadRequest("truncate_prompt_tokens is -1 (the context's worth) or a positive count",
+                             param="truncate_prompt_tokens")
         if self.structured_outputs is not None:
             self.structured_outputs.form()
             if self.response_format is not None and self.response_format.type != "text":
