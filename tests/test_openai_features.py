@@ -408,6 +408,23 @@ def test_vllm_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, serve
         assert q.status_code == 400 and q.json()["error"]["param"] == "truncate_prompt_tokens", (k, q.text)
 
 
+def test_vllm_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries the usage so
+    far, counting up to the final usage chunk; without it only that last chunk does."""
+    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": True, "n": 2}
+    for continuous in (False, True):
+        opts = {"include_usage": True} | ({"continuous_usage_stats": True} if continuous else {})
+        chunks = list(client.chat.completions.create(stream_options=opts, **kw))
+        *body, last = chunks
+        assert not last.choices and last.usage.completion_tokens == 16
+        if not continuous:
+            assert all(c.usage is None for c in body)
+            continue
+        counts = [c.usage.completion_tokens for c in body]
+        assert all(c.usage.prompt_tokens == last.usage.prompt_tokens for c in body)
+        assert counts == sorted(counts) and 1 <= counts[0] and counts[-1] == 16, counts
+
+
 def test_tokenize_detokenize_round_trip(server):
     t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello, world!"}, timeout=30).json()
     assert t["count"] == len(t["tokens"]) > 1 and t["max_model_len"] == 8192

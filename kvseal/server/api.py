@@ -355,7 +355,9 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         want = req.top_logprobs_k is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(sse(replies, firsts, fmt, want, usage), media_type="text/event-stream")
+            continuous = usage and req.stream_options.continuous_usage_stats
+            return StreamingResponse(sse(replies, firsts, fmt, want, usage, continuous),
+                                     media_type="text/event-stream")
         return await unless_gone(request, whole(replies, firsts, fmt, want))
 
     def admit(req: Sampling, prompt: list[int], chat: bool) -> int:

@@ -229,8 +229,12 @@ async def whole(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_
 
 
 async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_logprobs: bool,
-              include_usage: bool) -> AsyncIterator[bytes]:
-    """The choices' chunks interleaved as they come, then usage (if asked) and ``[DONE]``."""
+              include_usage: bool, continuous: bool = False) -> AsyncIterator[bytes]:
+    """The choices' chunks interleaved as they come, then usage (if asked) and ``[DONE]``. ``continuous``
+    (vLLM's ``continuous_usage_stats``): every chunk also carries the usage so far."""
+    def so_far() -> dict | None:
+        return fmt.usage(replies) if continuous else None
+
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(r: Reply) -> None:
@@ -250,7 +254,7 @@ async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_lo
     tasks: list[asyncio.Task] = []
     try:
         for r, f in zip(replies, firsts):
-            yield fmt.chunk([fmt.choice(r, f.text, lp(f), delta=True, first=True, finish=f.finish)])
+            yield fmt.chunk([fmt.choice(r, f.text, lp(f), delta=True, first=True, finish=f.finish)], so_far())
         tasks = [asyncio.ensure_future(pump(r)) for r in replies]
         live = len(replies)
         while live:
@@ -268,7 +272,7 @@ async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_lo
                 c = fmt.choice(r, item.text, lp(item), delta=True, finish=item.finish)
                 # a "required" tool call's text waits for its end: nothing to send until then
                 if fmt.tool_mode is None or c["delta"] or c["finish_reason"] or c["logprobs"]:
-                    yield fmt.chunk([c])
+                    yield fmt.chunk([c], so_far())
         replies[0].metrics.finished(200, replies[0].tenant)
         if include_usage:
             yield fmt.chunk([], fmt.usage(replies))

@@ -25,6 +25,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class FunctionDef(Strict):
