@@ -1,6 +1,7 @@
 """The HTTP API through the official openai client, streaming included, and every bad-input case."""
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -342,13 +343,36 @@ def test_client_disconnect_mid_stream_frees_pages(colocated):
     assert h["pools"][0]["running"] == 0
 
 
+def metric(url: str, name: str) -> float:
+    line = next((x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines() if x.startswith(name + " ")), None)
+    return 0.0 if line is None else float(line.split()[1])
+
+
 def test_metrics_exposes_pool_and_latency(colocated, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
     text = httpx.get(colocated.url + "/metrics").text
     for name in ("kvseal_requests_total", "kvseal_time_to_first_token_seconds_bucket",
                  "kvseal_inter_token_latency_seconds_bucket", 'kvseal_pool_pages{state="free"}',
-                 "kvseal_preemptions_total", "kvseal_engine_steps_total"):
+                 "kvseal_preemptions_total", "kvseal_engine_steps_total", "kvseal_e2e_request_latency_seconds_bucket",
+                 "kvseal_request_generation_tokens_bucket"):
         assert name in text
+
+
+def test_each_served_request_adds_its_latency_and_length_once(colocated, client):
+    """vLLM's e2e request latency and generation length, per request (whole or streamed; n choices count
+    together), observed once it has been answered: a failed request adds to neither."""
+    names = ("kvseal_e2e_request_latency_seconds_count", "kvseal_e2e_request_latency_seconds_sum",
+             "kvseal_request_generation_tokens_count", "kvseal_request_generation_tokens_sum")
+    before = [metric(colocated.url, n) for n in names]
+    t = time.monotonic()
+    kw = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "extra_body": {"ignore_eos": True}}
+    client.completions.create(n=2, **kw)
+    list(client.completions.create(stream=True, **kw))
+    took = time.monotonic() - t
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=10**6)
+    count, secs, reqs, tokens = (metric(colocated.url, n) - b for n, b in zip(names, before))
+    assert count == reqs == 2 and tokens == 12 and 0 < secs <= took, (count, secs, reqs, tokens, took)
 
 
 def test_bench_breaks_a_step_down_by_phase(colocated, client):

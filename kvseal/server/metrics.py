@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)  # a whole request, seconds
+TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RENDERS_PER_S = 10  # fresh pages a second; Prometheus scrapes each target every few seconds
 MAX_TENANT_LABELS = 64  # tenants come from the key file; past this many, the rest share the label "other"
 
@@ -41,6 +43,10 @@ class Metrics:
         self.ttft = Histogram("kvseal_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvseal_inter_token_latency_seconds", "Inter-token latency",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvseal_e2e_request_latency_seconds", "A served request's arrival to its last token",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.request_tokens = Histogram("kvseal_request_generation_tokens", "Tokens a served request generated "
+                                        "(all its choices)", buckets=TOKEN_BUCKETS, registry=r)
         self.integrity_failures = Counter("kvseal_kv_integrity_failures", "Page-tag or commit check failures",
                                           registry=r)
         self.preemptions = Counter("kvseal_preemptions", "Requests preempted (pages freed, recomputed later)",
@@ -83,6 +89,12 @@ class Metrics:
 
     def finished(self, status: int | str, tenant: str | None) -> None:
         self.requests.labels(str(status), self.tenant(tenant) if tenant else "unknown").inc()
+
+    def served(self, tenant: str | None, seconds: float, tokens: int) -> None:
+        """A request answered whole (200, its last token sent): as vLLM's e2e latency and generation length."""
+        self.finished(200, tenant)
+        self.e2e.observe(seconds)
+        self.request_tokens.observe(tokens)
 
     def cache_lookup(self, tenant: str, prompt_tokens: int, hit_tokens: int) -> None:
         label = self.tenant(tenant)

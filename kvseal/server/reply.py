@@ -50,7 +50,7 @@ class Reply:
         self.events = events
         self.text = text
         self.metrics = metrics
-        self.last = started
+        self.started = self.last = started
         self.n_tokens = 0
         self.offset = 0  # characters sent so far (completions' text_offset)
         self.finish: str | None = None
@@ -223,9 +223,14 @@ async def whole(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_
         return error_response(e)
     finally:
         await close_all(replies, tasks)
-    replies[0].metrics.finished(200, replies[0].tenant)
+    served(replies)
     texts = [t for t, _ in done]
     return JSONResponse(fmt.body(replies, texts, [lp if want_logprobs else None for _, lp in done]))
+
+
+def served(replies: list[Reply]) -> None:
+    r = replies[0]
+    r.metrics.served(r.tenant, time.monotonic() - r.started, sum(x.n_tokens for x in replies))
 
 
 async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_logprobs: bool,
@@ -273,7 +278,7 @@ async def sse(replies: list[Reply], firsts: list[Piece], fmt: Formatter, want_lo
                 # a "required" tool call's text waits for its end: nothing to send until then
                 if fmt.tool_mode is None or c["delta"] or c["finish_reason"] or c["logprobs"]:
                     yield fmt.chunk([c], so_far())
-        replies[0].metrics.finished(200, replies[0].tenant)
+        served(replies)
         if include_usage:
             yield fmt.chunk([], fmt.usage(replies))
         yield b"data: [DONE]\n\n"
