@@ -187,6 +187,7 @@ FIELDS = {  # a value of the field's type, often in range; or any JSON at all
     "parallel_tool_calls": st.booleans(),
     "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
     "include_stop_str_in_output": st.booleans(), "truncate_prompt_tokens": ints(-2, 9000),
+    "skip_special_tokens": st.booleans(),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "messages", "tools", "x"]),
                                             st.booleans() | st.none() | st.text(max_size=3), max_size=2),
     "structured_outputs": st.fixed_dictionaries({}, optional={  # none, one or several forms: 200 or 400, never 500
@@ -343,9 +344,11 @@ def test_client_disconnect_mid_stream_frees_pages(colocated):
     assert h["pools"][0]["running"] == 0
 
 
-def metric(url: str, name: str) -> float:
-    line = next((x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines() if x.startswith(name + " ")), None)
-    return 0.0 if line is None else float(line.split()[1])
+def metrics(url: str, names: tuple[str, ...]) -> list[float]:
+    """Some series' values from one scrape (a storm of scrapes is answered with the last page: 10 renders/s)."""
+    values = dict(x.rsplit(" ", 1) for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                  if x and not x.startswith("#"))
+    return [float(values.get(n, 0.0)) for n in names]
 
 
 def test_metrics_exposes_pool_and_latency(colocated, client):
@@ -363,7 +366,7 @@ def test_each_served_request_adds_its_latency_and_length_once(colocated, client)
     together), observed once it has been answered: a failed request adds to neither."""
     names = ("kvseal_e2e_request_latency_seconds_count", "kvseal_e2e_request_latency_seconds_sum",
              "kvseal_request_generation_tokens_count", "kvseal_request_generation_tokens_sum")
-    before = [metric(colocated.url, n) for n in names]
+    before = metrics(colocated.url, names)
     t = time.monotonic()
     kw = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "extra_body": {"ignore_eos": True}}
     client.completions.create(n=2, **kw)
@@ -371,7 +374,7 @@ def test_each_served_request_adds_its_latency_and_length_once(colocated, client)
     took = time.monotonic() - t
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=10**6)
-    count, secs, reqs, tokens = (metric(colocated.url, n) - b for n, b in zip(names, before))
+    count, secs, reqs, tokens = (a - b for a, b in zip(metrics(colocated.url, names), before))
     assert count == reqs == 2 and tokens == 12 and 0 < secs <= took, (count, secs, reqs, tokens, took)
 
 

@@ -425,6 +425,28 @@ def test_vllm_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client)
         assert counts == sorted(counts) and 1 <= counts[0] and counts[-1] == 16, counts
 
 
+def test_vllm_skip_special_tokens_false_keeps_special_tokens_but_the_end(client, server):
+    """vLLM's ``skip_special_tokens: false``: special tokens are part of the text, whole and streamed, except
+    the end of sequence that ends the request (``include_stop_str_in_output`` keeps that one too)."""
+    start = token_id(server, "<|im_start|>")
+    kw = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    forced = {"logit_bias": {str(start): 100}}  # a special token each step, mid-text
+    for skip, want in ((True, ""), (False, "<|im_start|>" * 3)):
+        body = forced | {"skip_special_tokens": skip}
+        r = client.completions.create(**kw, extra_body=body)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, extra_body=body, stream=True))
+        assert r.choices[0].finish_reason == "length" and r.choices[0].text == streamed == want, (skip, r, streamed)
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 60, "temperature": 0}
+    plain = client.chat.completions.create(**chat).choices[0]
+    kept = client.chat.completions.create(**chat, extra_body={"skip_special_tokens": False}).choices[0]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **chat, extra_body={"skip_special_tokens": False}, stream=True))
+    assert plain.finish_reason == kept.finish_reason == "stop" and kept.message.content == streamed == plain.message.content
+    ended = client.chat.completions.create(**chat, extra_body={"skip_special_tokens": False,
+                                                               "include_stop_str_in_output": True}).choices[0]
+    assert ended.message.content == plain.message.content + "<|im_end|>", ended.message.content
+
+
 def test_tokenize_detokenize_round_trip(server):
     t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello, world!"}, timeout=30).json()
     assert t["count"] == len(t["tokens"]) > 1 and t["max_model_len"] == 8192

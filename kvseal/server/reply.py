@@ -88,7 +88,8 @@ class Reply:
             self.last = now
             self.n_tokens += len(ev.token_ids)
             self.metrics.generation_tokens.inc(len(ev.token_ids))
-        delta = self.text.push(ev.token_ids, final=ev.finish_reason is not None)
+        delta = self.text.push(ev.token_ids, final=ev.finish_reason is not None,
+                               stop_token=ev.finish_reason == "stop")
         if self.text.stopped:
             self.finish = "stop"
             await self.close()  # abort the generation: the rest would be thrown away

@@ -2,9 +2,10 @@
 
 Besides OpenAI's parameters, the vLLM extensions its users rely on are accepted (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``,
-``structured_outputs``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``, and for chat the template's
-``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``). Everything else is rejected
-by ``extra="forbid"``; combinations kvseal does not serve are rejected in ``unsupported``.
+``structured_outputs``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
+and for chat the template's ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``).
+Everything else is rejected by ``extra="forbid"``; combinations kvseal does not serve are rejected in
+``unsupported``.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class Sampling(Strict):
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: the output's form
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string (or stop token's text)
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens; -1: the context's worth
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text (not the one that ends it)
 
     @field_validator("stop")
     @classmethod

@@ -16,15 +16,21 @@ class TextStream:
     """``stop_ids``: the request's ``stop_token_ids``; the engine ends a request on the first one it samples
     (never before ``min_tokens``), and as in vLLM its text is not part of the answer (the token still counts,
     and has its logprob). ``include_stop``: vLLM's ``include_stop_str_in_output``, which keeps that text and
-    a matched stop string's."""
+    a matched stop string's. ``skip_special``: vLLM's ``skip_special_tokens``; with it off, special tokens are
+    part of the text, except the one that ends the request (an end of sequence): a special token's text waits
+    for the next event, which says whether it was that one."""
 
     def __init__(self, tokenizer: object, stops: list[str], min_tokens: int = 0,
-                 stop_ids: frozenset[int] = frozenset(), include_stop: bool = False) -> None:
+                 stop_ids: frozenset[int] = frozenset(), include_stop: bool = False,
+                 skip_special: bool = True) -> None:
         self.tok = tokenizer
         self.stops = stops
         self.min_tokens = min_tokens  # as vLLM: no stop string ends a request before min_tokens
         self.stop_ids = frozenset() if include_stop else stop_ids
         self.include_stop = include_stop
+        self.skip_special = skip_special
+        self.wait_ids = frozenset() if skip_special or include_stop else frozenset(tokenizer.all_special_ids)
+        self.waiting: list[int] = []  # a special token whose text waits to know if it ended the request
         self.count = 0  # tokens pushed
         self.ids: list[int] = []  # those whose text is the answer's
         self.text = ""  # the output's text so far: ids[:read], whole characters
@@ -33,11 +39,19 @@ class TextStream:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special)
 
-    def push(self, ids: tuple[int, ...] | list[int], final: bool = False) -> str:
-        """Add tokens; return the new text that is safe to send."""
+    def push(self, ids: tuple[int, ...] | list[int], final: bool = False, stop_token: bool = False) -> str:
+        """Add tokens; return the new text that is safe to send. ``stop_token``: the engine ended the request
+        with "stop", which it does on a stop token (an end of sequence or one of ``stop_token_ids``): the last
+        token pushed."""
         self.count += len(ids)
+        ids = self.waiting + list(ids)
+        self.waiting = []
+        if final and stop_token and ids and ids[-1] in self.wait_ids:
+            ids.pop()  # the end of sequence: not the answer's text
+        elif not final and ids and ids[-1] in self.wait_ids:
+            self.waiting = [ids.pop()]
         self.ids.extend(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
         context = self._decode(self.ids[self.prefix:self.read])
         window = self._decode(self.ids[self.prefix:])
