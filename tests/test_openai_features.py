@@ -365,7 +365,8 @@ def test_echo_and_prompt_logprobs_beside_every_field_they_meet(server, body):
 
 def test_vllm_continue_final_message_leaves_the_last_message_open(client, server):
     """vLLM's ``continue_final_message`` (with ``add_generation_prompt: false``): the assistant's message is
-    rendered without its end of turn and the answer continues it, as the same prompt sent as token ids does.
+    rendered without its end of turn and the answer continues it, as the same prompt sent as token ids does;
+    with vLLM's chat ``echo`` the answer starts with that message.
     Both flags true is a 400, as in vLLM; so is a ``chat_template_kwargs`` that would replace what the server
     hands the template."""
     msgs = CHAT + [{"role": "assistant", "content": "Red, green"}]
@@ -377,6 +378,16 @@ def test_vllm_continue_final_message_leaves_the_last_message_open(client, server
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, extra_body=flags)
     same = client.completions.create(model=MODEL, prompt=open_ids, max_tokens=10, temperature=0)
     assert r.usage.prompt_tokens == len(open_ids) and r.choices[0].message.content == same.choices[0].text
+    # vLLM's echo: the answer starts with the assistant's own last message (a user's is not echoed)
+    echoed = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                            extra_body=flags | {"echo": True}).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True, extra_body=flags | {"echo": True}))
+    assert echoed == streamed == "Red, green" + r.choices[0].message.content, (echoed, streamed)
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
+    same = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                          extra_body={"echo": True})
+    assert same.choices[0].message.content == plain.choices[0].message.content
     for body, param in (({"continue_final_message": True}, "continue_final_message"),
                         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs")):
         for path in ("/v1/chat/completions", "/tokenize"):
@@ -542,6 +553,7 @@ def test_a_conversation_with_calls_and_their_answers_reaches_the_model(client, s
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
       "tool_choice": "required"}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": "required", "echo": True}, "echo"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
     ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
 ])

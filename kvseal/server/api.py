@@ -216,7 +216,9 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
     async def chat(request: Request) -> Response:
         backend.check_capacity()
         req = await parse(request, ChatRequest)
-        return await serve(request, req, [truncated(req, chat_prompt(req))], chat=True)
+        last = req.messages[-1]
+        echo = [last.text()] if req.echo and last.role == "assistant" else None  # vLLM's: the same role's
+        return await serve(request, req, [truncated(req, chat_prompt(req))], chat=True, echo=echo)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

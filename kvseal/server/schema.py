@@ -222,6 +222,7 @@ class ChatRequest(Sampling):
     add_generation_prompt: bool = True  # vLLM's extensions: how the chat template renders the messages
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the answer starts with the last message's content when it is the assistant's
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -229,6 +230,8 @@ class ChatRequest(Sampling):
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if not self.messages:
             raise BadRequest("messages must not be empty", param="messages")
+        if self.echo and self.tools and self.tool_choice != "none":
+            raise BadRequest("echo gives text: not with tool calls", param="echo")
         for i, m in enumerate(self.messages):
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
                 raise BadRequest(f"messages.{i}.content: only an assistant message with tool_calls may leave "
