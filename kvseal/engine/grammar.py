@@ -5,8 +5,8 @@ The front door compiles a JSON schema (or "any JSON object", a regex, a list of 
 into an llguidance grammar string and rejects one the library cannot compile (400). The grammar string travels
 with the request's sampling parameters to whichever engine samples (the colocated engine; prefill for the first
 token, decode for the rest), and each engine builds its own matcher from it, replaying the tokens the request
-already has. The mask removes every
-token the grammar cannot take next; once the grammar is complete only EOS is allowed.
+already has. The mask removes every token the grammar cannot take next; once the grammar is complete only EOS
+is allowed.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ async def unless_gone(request: Request, aw: Awaitable[T], poll: float = 0.25) ->
 # a JSON escape of a UTF-16 surrogate; a pair of them decodes to one character, a lone one to no text at all
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
-# what the front door itself hands the chat template: not for a request's chat_template_kwargs to replace
+# the chat template's arguments that the front door or apply_chat_template set (documents: not served), which a
+# request's chat_template_kwargs may not replace
 TEMPLATE_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                            "tokenize", "return_dict", "chat_template", "tokenizer"})
 
