@@ -51,6 +51,13 @@ def test_a_tenant_hits_its_own_prefix_and_never_anothers(mode):
         else:  # whoever scrapes sees neither tenants' names nor whose prompts hit
             assert "tenant-" not in httpx.get(s.url + "/metrics", timeout=10).text
             assert metric(s.url, "kvseal_prefix_cache_hits", "all") == (n_prompt - 1) // 16 * 16
+        # the Responses API is the same path: a tenant's key, the tenant's own cache, the same answer
+        resp = httpx.post(s.url + "/v1/responses", headers={"Authorization": "Bearer key-b"}, timeout=120, json={
+            "model": MODEL, "max_output_tokens": 16, "temperature": 0, "instructions": SYSTEM,
+            "input": "Where are the foghorns?"}).json()
+        assert resp["usage"]["input_tokens_details"]["cached_tokens"] == (n_prompt - 1) // 16 * 16, resp
+        assert resp["output"][0]["content"][0]["text"] == texts[0]
+        assert httpx.post(s.url + "/v1/responses", json={"model": MODEL, "input": "x"}, timeout=30).status_code == 401
         wait_pages_back(s)
     finally:
         s.stop()

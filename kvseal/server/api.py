@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP front door: /v1/chat/completions, /v1/completions, /v1/models, /tokenize,
-/detokenize, /health, /version, /metrics.
+"""The OpenAI-compatible HTTP front door: /v1/chat/completions, /v1/completions, /v1/responses (the chat path in
+the Responses shape, kvseal/server/responses.py), /v1/models, /tokenize, /detokenize, /health, /version, /metrics.
 
 Admission happens here, once, against min(context window, every pool on the path):
 a request that can never fit gets 400 ``context_length_exceeded`` before anything is allocated. A streamed
@@ -41,6 +41,8 @@ from kvseal.server.dashboard import PAGE as DASHBOARD
 from kvseal.server.dashboard import STATES
 from kvseal.server.metrics import Metrics
 from kvseal.server.reply import Formatter, Piece, Reply, close_all, error_response, sse, whole
+from kvseal.server.responses import NOT_STORED, Answer, ResponseNotFound, ResponsesRequest, responses_params
+from kvseal.server.responses import to_chat
 from kvseal.server.schema import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
 from kvseal.server.served import Served
 from kvseal.server.tenants import Tenants
@@ -221,6 +223,26 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         echo = [last.text()] if req.echo and last.role == "assistant" else None  # vLLM's: the same role's
         return await serve(request, req, [truncated(req, chat_prompt(req))], chat=True, echo=echo)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API over the chat path (kvseal/server/responses.py)."""
+        backend.check_capacity()
+        req = await parse(request, ResponsesRequest)
+        with responses_params():  # an error names the Responses field (input, max_output_tokens), not chat's
+            chat_req = to_chat(req)
+            prompt = truncated(chat_req, chat_prompt(chat_req))
+            [r], [first], fmt = await start(request, chat_req, [prompt], chat=True)
+        out = Answer(req, chat_req, fmt)
+        if req.stream:
+            return StreamingResponse(out.stream(r, first), media_type="text/event-stream")
+        return await unless_gone(request, out.whole(r, first))
+
+    @app.api_route("/v1/responses/{ident}", methods=["GET", "DELETE"])
+    @app.post("/v1/responses/{ident}/cancel")
+    async def stored_response(request: Request, ident: str) -> Response:
+        tenants.authenticate(request.headers.get("authorization"))
+        raise ResponseNotFound(f"no response {ident!r}: {NOT_STORED}", param="response_id")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         backend.check_capacity()
@@ -305,6 +327,19 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
 
     async def serve(request: Request, req: Sampling, prompts: list[list[int]], chat: bool,
                     echo: list[str] | None = None) -> Response:
+        replies, firsts, fmt = await start(request, req, prompts, chat, echo)
+        want = req.top_logprobs_k is not None
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = usage and req.stream_options.continuous_usage_stats
+            return StreamingResponse(sse(replies, firsts, fmt, want, usage, continuous),
+                                     media_type="text/event-stream")
+        return await unless_gone(request, whole(replies, firsts, fmt, want))
+
+    async def start(request: Request, req: Sampling, prompts: list[list[int]], chat: bool,
+                    echo: list[str] | None = None) -> tuple[list[Reply], list[Piece], Formatter]:
+        """Admit and start every choice; once each has its first piece (or the request its error, raised before
+        any status goes out), the replies and the formatter of their answer."""
         tenant = request.state.tenant = tenants.authenticate(request.headers.get("authorization"))
         if req.model not in served.names:
             raise ModelNotFound(f"model {req.model!r} does not exist; this server serves "
@@ -356,13 +391,7 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
         fmt = Formatter(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), req.model, chat, strings,
                         sum(len(p) for p in prompts), sum(r.cached_tokens for r in leaders), tool_mode,
                         echo_k=req.top_logprobs_k, prompt_k=req.prompt_logprobs)
-        want = req.top_logprobs_k is not None
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            continuous = usage and req.stream_options.continuous_usage_stats
-            return StreamingResponse(sse(replies, firsts, fmt, want, usage, continuous),
-                                     media_type="text/event-stream")
-        return await unless_gone(request, whole(replies, firsts, fmt, want))
+        return replies, firsts, fmt
 
     def admit(req: Sampling, prompt: list[int], chat: bool) -> int:
         """max_tokens for this prompt, or 400 if prompt + max_tokens can never fit (naming ``messages`` or
