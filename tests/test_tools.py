@@ -120,3 +120,31 @@ def test_auto_without_a_parser_is_a_400_that_names_the_flags(tokenizer):
         r = front(tokenizer, SCRIPT, None).post("/v1/chat/completions", json=body)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "tool_choice" and "--tool-call-parser" in err["message"]
+
+
+def test_auto_in_the_responses_api_answers_a_message_and_function_call_items(tokenizer):
+    """The same text through /v1/responses: the content as a message item, then one function_call item per
+    call, whole and streamed (the items come once the text has ended, in the same order)."""
+    client = front(tokenizer, SCRIPT, "hermes")
+    flat = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+            for t in TOOLS]
+    body = {"model": "m", "input": "Weather and time in Paris?", "tools": flat}
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()["output"]
+    assert [o["type"] for o in out] == ["message", "function_call", "function_call"]
+    assert out[0]["content"][0]["text"] == "Let me look that up.\n\n"
+    assert [(o["name"], json.loads(o["arguments"])) for o in out[1:]] == CALLS
+    assert all(o["call_id"].startswith("call_") and o["status"] == "completed" for o in out[1:])
+    events = []
+    with client.stream("POST", "/v1/responses", json=body | {"stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [d["type"] for d in done] == ["message", "function_call", "function_call"]
+    args = [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [json.loads(a) for a in args] == [c[1] for c in CALLS]
+    final = events[-1]
+    assert final["type"] == "response.completed" and [o["type"] for o in final["response"]["output"]] == \
+        ["message", "function_call", "function_call"]
