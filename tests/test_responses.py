@@ -123,6 +123,18 @@ def test_a_named_function_call_is_an_item_whole_and_streamed(client, server):
     wait_pages_back(server)
 
 
+def test_a_client_leaving_a_stream_stops_its_generation(server):
+    """4,000 tokens would take most of a minute: the pages come back within seconds of the client leaving."""
+    body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 4000, "stream": True,
+            "logit_bias": {"0": -100, "2": -100}}  # SmolLM2's <|endoftext|> and <|im_end|>: no end but the bound
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 12:
+                break
+    wait_pages_back(server, timeout=10)
+
+
 def test_text_format_json_schema_and_logprobs(client):
     schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 12}},
               "required": ["color"], "additionalProperties": False}
