@@ -14,6 +14,7 @@ from conftest import MODEL, wait_pages_back
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_api import JSON, ints, served_or_refused
+from test_openai_features import client, server  # noqa: F401 - the fixtures: both modes, one openai client each
 
 from kvseal.errors import KVIntegrityError
 from kvseal.server.reply import Formatter, Piece
@@ -34,16 +35,6 @@ def cached(send, **kw):
     the two paths may break a near-tie differently. Compared answers are all cache hits, read the same way."""
     send(**kw)
     return send(**kw)
-
-
-@pytest.fixture(scope="module", params=["colocated", "disagg"])
-def server(request):
-    return request.getfixturevalue(request.param)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 def test_a_response_is_the_chat_answer_whole_and_streamed(client, server):
