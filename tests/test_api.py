@@ -187,7 +187,7 @@ FIELDS = {  # a value of the field's type, often in range; or any JSON at all
     "parallel_tool_calls": st.booleans(),
     "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
     "include_stop_str_in_output": st.booleans(), "truncate_prompt_tokens": ints(-2, 9000),
-    "skip_special_tokens": st.booleans(),
+    "skip_special_tokens": st.booleans(), "cache_salt": st.text(max_size=4),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "messages", "tools", "x"]),
                                             st.booleans() | st.none() | st.text(max_size=3), max_size=2),
     "structured_outputs": st.fixed_dictionaries({}, optional={  # none, one or several forms: 200 or 400, never 500

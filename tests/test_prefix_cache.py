@@ -26,7 +26,7 @@ def prompt_ids(lm, question: str) -> list[int]:
         add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def run(engine, prompt, tenant, max_tokens=12, seq_fn=None):
+def run(engine, prompt, tenant, max_tokens=12, seq_fn=None, cache_salt=""):
     """One greedy request; its tokens, the tokens the engine computed meanwhile, and its final event."""
     out, final, done = [], [], threading.Event()
 
@@ -39,7 +39,7 @@ def run(engine, prompt, tenant, max_tokens=12, seq_fn=None):
             done.set()
 
     seq = Sequence(next(_rids), list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), sink,
-                   tenant=tenant)
+                   tenant=tenant, cache_salt=cache_salt)
     before = engine.computed_tokens
     if seq_fn:
         engine.call(lambda: seq_fn(seq)).result()
@@ -80,6 +80,24 @@ def test_same_tenant_hits_other_tenant_misses(fp32_model, engine):
     assert follow["cached"] >= len(prompt_ids(fp32_model, "")) // 16 * 16 - 16
     free, total = idle(engine)
     assert free == total  # cached pages nobody holds count as available
+
+
+def test_a_requests_cache_salt_keeps_its_keys_apart_within_its_tenant(fp32_model, engine):
+    """vLLM's cache_salt: one tenant's requests with different salts (or none) never share a cached prefix; the
+    same salt does. Salts add no namespaces: the table a client could grow stays one entry per tenant."""
+    prompt = prompt_ids(fp32_model, "Which exhibit shows the foghorns?")
+    spaces = len(engine.cache._spaces)
+    plain = run(engine, prompt, "acme")
+    salted = run(engine, prompt, "acme", cache_salt="user-1")
+    again = run(engine, prompt, "acme", cache_salt="user-1")
+    other = run(engine, prompt, "acme", cache_salt="user-2")
+    unsalted = run(engine, prompt, "acme")
+    full_pages = (len(prompt) - 1) // 16 * 16
+    assert salted["cached"] == 0 and other["cached"] == 0, "another salt's (or no salt's) keys matched"
+    assert again["cached"] == full_pages and unsalted["cached"] == full_pages
+    assert plain["tokens"] == salted["tokens"] == again["tokens"] == other["tokens"]
+    assert len(engine.cache._spaces) == spaces
+    assert idle(engine)[0] == idle(engine)[1]
 
 
 def test_unsalted_keys_let_tenants_share(fp32_model):

@@ -13,10 +13,11 @@ SYSTEM = ("You answer questions about a lighthouse museum in one sentence. Exhib
           "logs (hall 2), shipwrecks (hall 3), foghorns (hall 4), lamp oils (hall 5). ") * 4
 
 
-def chat(url: str, key: str, question: str) -> dict:
+def chat(url: str, key: str, question: str, **kw) -> dict:
     r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
                    json={"model": MODEL, "max_tokens": 16, "temperature": 0,
-                         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+                         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+                   | kw)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -58,6 +59,12 @@ def test_a_tenant_hits_its_own_prefix_and_never_anothers(mode):
         assert resp["usage"]["input_tokens_details"]["cached_tokens"] == (n_prompt - 1) // 16 * 16, resp
         assert resp["output"][0]["content"][0]["text"] == texts[0]
         assert httpx.post(s.url + "/v1/responses", json={"model": MODEL, "input": "x"}, timeout=30).status_code == 401
+        # vLLM's cache_salt reaches the cache (on prefill: in the Prefill message): a salted request of tenant-a
+        # misses the prefix tenant-a cached without it, and the same salt then hits
+        salted = [chat(s.url, "key-a", "Where are the foghorns?", cache_salt="user-1") for _ in range(2)]
+        assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in salted] == \
+            [0, (n_prompt - 1) // 16 * 16]
+        assert [r["choices"][0]["message"]["content"] for r in salted] == texts[:2]
         wait_pages_back(s)
     finally:
         s.stop()

@@ -243,13 +243,16 @@ FIELDS = {
         {"type": st.just("function"), "name": st.sampled_from(["f", "h"])}),
     "text": st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
-        optional={"schema": st.sampled_from([{"type": "object"}, {"type": "no-such-type"}]), "name": st.text(max_size=3)}),
+        optional={"schema": st.sampled_from([{"type": "object"}, {"type": "no-such-type"}]),
+                  "name": st.text(max_size=3)}),
         "verbosity": st.sampled_from(["low", "loud"])}),
     "store": st.booleans(), "metadata": st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
     "stream_options": st.fixed_dictionaries({"include_obfuscation": st.booleans()}),
     "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from([None, "low"])}),
     "truncation": st.sampled_from(["disabled", "auto"]), "previous_response_id": st.text(max_size=4),
     "seed": ints(-(2**70), 2**70), "top_k": ints(-2, 60), "parallel_tool_calls": st.booleans(),
+    "cache_salt": st.text(max_size=4), "logit_bias": st.dictionaries(ints(-2, 50_000).map(str), st.floats(-101, 101),
+                                                                     max_size=2),
 }
 
 

@@ -345,7 +345,7 @@ class Engine:
         """Start ``s`` on the longest cached prefix of its prompt in its tenant's namespace. At least the last
         prompt token is computed (its logits start the output), so a cached page is never written."""
         if s.cache_keys is None:
-            s.cache_keys = self.cache.keys(s.tenant, s.prompt)
+            s.cache_keys = self.cache.keys(s.tenant, s.prompt, s.cache_salt)
         usable = min(len(s.cache_keys), (len(s.tokens) - 1) // self.pool.cfg.page_size)
         run = self.cache.lookup(s.cache_keys[:usable], s.space)
         hit = len(run.pages) * self.pool.cfg.page_size

@@ -45,6 +45,7 @@ class Sequence:
     logprob: Logprob | None = None  # the last sampled token's, when asked for
     prompt_lps: list[Logprob] = field(default_factory=list)  # prompt tokens 1.. so far, when asked for
     tenant: str = "default"
+    cache_salt: str = ""  # vLLM's cache_salt: keys apart from the tenant's other requests' (kvseal.kv.prefix)
     tenant_tag: int = 0  # kvseal.kv.pool.tenant_tag of it, set at admission: on every page the request takes
     space: int | None = None  # the tenant's prefix-cache namespace (an owner id of shared pages)
     cache_keys: list[int] | None = None  # one per full prompt block, once looked up

@@ -16,7 +16,8 @@ Only blocks the prompt fills completely are cached, and a request always compute
 token (its logits start the output), so no request ever writes into a cached page.
 
 With ``salted=False`` (a known-unsafe switch, for the probe's timing test) every tenant shares one namespace,
-like a cache without ``cache_salt``.
+like a cache without per-tenant salts. A request may add its own ``cache_salt`` (vLLM's field): its keys then
+match only requests of its tenant that send the same salt (``keys``).
 """
 
 from __future__ import annotations
@@ -65,9 +66,14 @@ class PrefixCache:
             space = self._spaces[name] = (NAMESPACE_BASE + len(self._spaces), salt)
         return space
 
-    def keys(self, tenant: str, prompt: list[int]) -> list[int]:
-        """One key per full block of ``prompt``."""
+    def keys(self, tenant: str, prompt: list[int], cache_salt: str = "") -> list[int]:
+        """One key per full block of ``prompt``. A request's ``cache_salt`` (vLLM's) derives its own salt from its
+        tenant's: its keys match only requests of the same tenant with the same salt. Its pages stay in the
+        tenant's namespace (no namespace per salt: a client cannot grow this table), so the page-tag check still
+        draws the line between tenants and the salt between the keys."""
         salt = self._space(tenant)[1]
+        if cache_salt:
+            salt = hmac.new(salt, cache_salt.encode(), hashlib.sha256).digest()
         raw = torch.tensor(prompt, dtype=torch.int32).numpy().tobytes()
         step = 4 * self.ps
         keys, prev = [], b""

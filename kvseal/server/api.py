@@ -369,7 +369,8 @@ def create_app(backend: Backend, tokenizer: object, metrics: Metrics, tenants: T
                 seed = None if req.seed is None else choice_seed(req.seed, c)
                 params = SamplingParams(max_tokens=max_new, seed=seed, **common)
                 rid = group if c == 0 and group is not None else secrets.randbits(62)
-                events = backend.generate(GenRequest(rid, tenant, prompt, params, group, batch))
+                gen = GenRequest(rid, tenant, prompt, params, group, batch, req.cache_salt or "")
+                events = backend.generate(gen)
                 text = TextStream(tokenizer, req.stop, req.min_tokens, stop_ids, req.include_stop_str_in_output,
                                   req.skip_special_tokens)
                 replies.append(Reply(len(replies), events, text, metrics, started, silent=req.score_only))

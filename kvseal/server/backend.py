@@ -29,6 +29,7 @@ class GenRequest:
     params: SamplingParams
     group: int | None = None  # n > 1: every choice of a prompt names its first choice's rid
     batch: int | None = None  # more than one choice or prompt: names the API request all of them came in
+    cache_salt: str = ""  # vLLM's: this request's prefix-cache keys apart from its tenant's other requests'
 
 
 class Backend(Protocol):
@@ -107,7 +108,7 @@ class EngineBackend:
         from kvseal.engine.sequence import Sequence
 
         seq = Sequence(req.rid, req.prompt, req.params, self.batcher.sink_for(q), eos_ids=self.eos_ids,
-                       group=req.group, tenant=req.tenant)
+                       group=req.group, tenant=req.tenant, cache_salt=req.cache_salt)
         try:
             await asyncio.wrap_future(self.submit(seq))
         except asyncio.CancelledError:  # the client left while its request waited for the engine thread

@@ -118,7 +118,7 @@ class PrefillService:
         try:
             params = SamplingParams(**{**p.sampling, "max_tokens": 1})  # prefill samples the first token only
             seq = Sequence(p.rid, list(p.prompt), params, self._sink(p.rid, nonce), lease=p.lease, group=p.group,
-                           tenant=p.tenant)
+                           tenant=p.tenant, cache_salt=p.cache_salt)
         except (TypeError, ValueError, OverflowError) as e:  # the door checks them: a peer's bug, settled here
             err = BadRequest(f"malformed sampling parameters: {e}")
             self.host.on_loop(self.host.feed(lambda: self.core.failed(p.rid, nonce, err)), nonce)

@@ -77,9 +77,11 @@ class ResponsesRequest(Strict):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
-    # vLLM's extensions (top_k, logit_bias, skip_special_tokens) and chat's (min_p, seed, repetition_penalty)
+    # vLLM's extensions (top_k, logit_bias, skip_special_tokens, cache_salt) and chat's (min_p, seed,
+    # repetition_penalty)
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool | None = None
+    cache_salt: str | None = None
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
@@ -135,7 +137,7 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("top_k", "top_k"), ("min_p", "min_p"), ("seed", "seed"),
                      ("repetition_penalty", "repetition_penalty"), ("user", "user"), ("logit_bias", "logit_bias"),
-                     ("skip_special_tokens", "skip_special_tokens")):
+                     ("skip_special_tokens", "skip_special_tokens"), ("cache_salt", "cache_salt")):
         if getattr(req, src) is not None:
             chat[dst] = getattr(req, src)
     if LOGPROBS in (req.include or ()):

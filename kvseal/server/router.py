@@ -153,7 +153,8 @@ class HttpPorts:
     async def _prefill(self, f: Flight, lease: P.Lease, answer: Callable[[object], None]) -> None:
         req = f.req
         msg = P.Prefill(rid=req.rid, tenant=req.tenant, prompt=req.prompt, max_new=req.params.max_tokens,
-                        sampling=req.params.to_wire(), lease=lease, decode_url=f.d.url, group=req.group)
+                        sampling=req.params.to_wire(), lease=lease, decode_url=f.d.url, group=req.group,
+                        cache_salt=req.cache_salt)
         try:  # queued behind other prompts on a live prefill is not a failure: wait up to the queue timeout
             ack = P.decode(await self.b._post(f.p, "/prefill", msg, timeout=self.b.queue_timeout), P.Ack)
         except EngineError as e:  # Unanswered, or prefill's refusal

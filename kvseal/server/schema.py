@@ -3,6 +3,7 @@
 Besides OpenAI's parameters, the vLLM extensions its users rely on are accepted (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``,
 ``structured_outputs``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
+``cache_salt``,
 and for chat the template's ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``).
 Everything else is rejected by ``extra="forbid"``; combinations kvseal does not serve are rejected in
 ``unsupported``.
@@ -147,6 +148,7 @@ class Sampling(Strict):
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string (or stop token's text)
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens; -1: the context's worth
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text (not the one that ends it)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's: a prefix-cache salt
 
     @field_validator("stop")
     @classmethod

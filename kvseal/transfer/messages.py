@@ -25,9 +25,10 @@ from kvseal.errors import EngineError
 if TYPE_CHECKING:
     import torch
 
-VERSION = 5  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout;
+VERSION = 6  # 2: Reserve names the router's stream, tokens multiplexed; 3: page-major pool layout;
 # 4: every sampling parameter travels (SamplingParams.to_wire), logprobs ride with tokens, leases carry a
-# capability that commits and WriterDone must present; 5: prompt logprobs (a sampling parameter, and in Ack)
+# capability that commits and WriterDone must present; 5: prompt logprobs (a sampling parameter, and in Ack);
+# 6: Prefill carries the request's cache_salt
 
 
 class Logprob(msgspec.Struct, array_like=True, frozen=True):
@@ -102,6 +103,7 @@ class Prefill(Msg):
     lease: Lease
     decode_url: str
     group: int | None = None  # n > 1: the choices of a prompt share its pages on prefill (never on decode)
+    cache_salt: str = ""  # vLLM's: the prompt's prefix-cache keys apart from its tenant's other requests'
 
 
 class Commit(Msg):
