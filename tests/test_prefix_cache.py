@@ -91,9 +91,10 @@ def test_a_requests_cache_salt_keeps_its_keys_apart_within_its_tenant(fp32_model
     salted = run(engine, prompt, "acme", cache_salt="user-1")
     again = run(engine, prompt, "acme", cache_salt="user-1")
     other = run(engine, prompt, "acme", cache_salt="user-2")
+    foreign = run(engine, prompt, "globex", cache_salt="user-1")  # a salt never reaches another tenant's keys
     unsalted = run(engine, prompt, "acme")
     full_pages = (len(prompt) - 1) // 16 * 16
-    assert salted["cached"] == 0 and other["cached"] == 0, "another salt's (or no salt's) keys matched"
+    assert salted["cached"] == other["cached"] == foreign["cached"] == 0, "another salt's (or tenant's) keys matched"
     assert again["cached"] == full_pages and unsalted["cached"] == full_pages
     assert plain["tokens"] == salted["tokens"] == again["tokens"] == other["tokens"]
     assert len(engine.cache._spaces) == spaces
