@@ -27,9 +27,9 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
+from kvseal.engine.request import SEED_MAX, SEED_MIN
 from kvseal.errors import BadRequest, EngineError
 from kvseal.server.reply import Formatter, Piece, Reply, close_all, error_response, served
-from kvseal.engine.request import SEED_MAX, SEED_MIN
 from kvseal.server.schema import ChatRequest, Strict
 from kvseal.server.tools import answer
 
@@ -281,7 +281,7 @@ class Answer:
     def items(self, r: Reply, text: str, lps: list[dict]) -> list[dict]:
         """The output items of a finished reply: a message with its text, and/or the function calls it made."""
         content, calls = (text, None) if self.tool_mode is None else answer(self.tool_mode, text)
-        status = "incomplete" if r.finish == "length" else "completed"
+        status = self.status(r)
         out = []
         if content is not None:
             out.append(self.message("msg_" + secrets.token_hex(24), status, content, lps))
@@ -304,19 +304,25 @@ class Answer:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(body, allow_nan=False)}\n\n".encode()
 
-    async def whole(self, r: Reply, first: Piece) -> Response:
+    @staticmethod
+    async def _rest(r: Reply, first: Piece) -> tuple[str, tuple]:
+        """The reply to its end: its whole text and logprobs."""
         parts, lps = [first.text], list(first.logprobs)
+        while (pc := await r.next()) is not None:
+            parts.append(pc.text)
+            lps.extend(pc.logprobs)
+        return "".join(parts), tuple(lps)
+
+    async def whole(self, r: Reply, first: Piece) -> Response:
         try:
-            while (pc := await r.next()) is not None:
-                parts.append(pc.text)
-                lps.extend(pc.logprobs)
+            text, lps = await self._rest(r, first)
         except EngineError as e:
             r.metrics.finished(e.status, r.tenant)
             return error_response(e)
         finally:
             await close_all([r], [])
         served([r])
-        out = self.items(r, "".join(parts), self.logprobs(r, tuple(lps)))
+        out = self.items(r, text, self.logprobs(r, lps))
         return JSONResponse(self.response(self.status(r), out, r))
 
     async def stream(self, r: Reply, first: Piece) -> AsyncIterator[bytes]:
@@ -327,11 +333,8 @@ class Answer:
             yield self.event("response.created", response=self.response("in_progress", []))
             yield self.event("response.in_progress", response=self.response("in_progress", []))
             if self.tool_mode is not None:  # the calls are read out of the whole text: their items come at its end
-                parts, lps = [first.text], list(first.logprobs)
-                while (pc := await r.next()) is not None:
-                    parts.append(pc.text)
-                    lps.extend(pc.logprobs)
-                output = self.items(r, "".join(parts), self.logprobs(r, tuple(lps)))
+                text, lps = await self._rest(r, first)
+                output = self.items(r, text, self.logprobs(r, lps))
                 for i, item in enumerate(output):
                     async for ev in self._item(i, item):
                         yield ev
