@@ -191,3 +191,102 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
     r = Row(SamplingParams(max_tokens=8, temperature=temperature, seed=1, logprobs=2), [1], [1])
     (tok, lp), = sample(x[None], [r])
     assert tok == int(x.argmax()) and lp.logprob == pytest.approx(float(torch.log_softmax(x, -1).max()))
+
+
+def peaked(n: int, vocab: int = 8192, seed: int = 0) -> torch.Tensor:
+    """Logits shaped like a language model's: a tail of noise under a few likely tokens (SmolLM2's own rows
+    hold their top-p 0.9 nucleus within their 256 most likely tokens at temperature 0.7)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g) * 1.5
+    for i in range(n):
+        x[i, torch.randperm(vocab, generator=g)[:24]] += torch.linspace(11, 3, 24)
+    return x
+
+
+def sampled(n: int, generator_seed: int = 0, **kw) -> list[Row]:
+    return [Row(SamplingParams(max_tokens=8, **kw), [1], [1], torch.Generator().manual_seed(generator_seed + i))
+            for i in range(n)]
+
+
+TRUNCATIONS = [dict(top_k=k, top_p=p, min_p=m) for k in (0, 1, 5, 20, 300) for p in (1.0, 0.5, 0.9, 0.99)
+               for m in (0.0, 0.05) if k or p < 1]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_the_candidates_keep_what_the_whole_vocabulary_keeps(temperature):
+    """Rows drawn from their most likely tokens draw from exactly what the whole-vocabulary rules keep (top_k
+    with its ties, min_p, top_p), wherever ``candidates`` says they can; where it says so of a row whose kept
+    tokens reach further down, this fails (the flat rows' nuclei run past the first 256)."""
+    from kvseal.engine.sampling import CANDIDATES, candidates, truncated
+    x = torch.cat([peaked(4), torch.randn(4, 8192, generator=torch.Generator().manual_seed(9))]) / temperature
+    x[0, :3] = x[0].topk(5).values[-1]  # ties with the 5th token: top_k 5 keeps 7 (which of equal tokens
+    tied = x[0] == x[0, 0]  # top_p keeps, where they straddle its limit, is the sort's choice: compared apart)
+    short = past = 0
+    for kw in TRUNCATIONS:
+        rows = [Row(SamplingParams(max_tokens=8, temperature=temperature, **kw), [1], [1]) for _ in x]
+        want = truncated(x.clone(), rows)
+        for c in CANDIDATES:
+            order, w, ok = candidates(x.clone(), rows, c)
+            for i in ok.nonzero().flatten().tolist():
+                got = torch.zeros(x.shape[1]).scatter_(0, order[i], w[i])
+                apart = tied if i == 0 else torch.zeros_like(tied)
+                assert torch.allclose(got[~apart], want[i][~apart], atol=1e-6), (kw, c, i)
+                assert torch.allclose(got.sort().values, want[i].sort().values, atol=1e-6), (kw, c, i)
+            short += int(ok[:4].sum())
+            past += int((~ok[4:]).sum())
+    assert short > len(TRUNCATIONS) * 4  # the peaked rows mostly take the short path
+    assert past > 0  # and some flat rows' kept tokens reach past the candidates (the check above is exercised)
+
+
+@pytest.mark.parametrize("vocab", [64, 8192])
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9),
+                                dict(temperature=0.7, top_k=20, top_p=0.95), dict(temperature=1.2, min_p=0.02)])
+def test_draws_follow_the_truncated_distribution(vocab, kw):
+    """4,000 draws of one row's distribution (each on its own generator): the tokens drawn are among the kept
+    ones, each as often as its probability says (within 5 standard deviations; the unlikely ones as a group)."""
+    from kvseal.engine.sampling import draw, truncated
+    n = 4000
+    x = peaked(1, vocab, seed=vocab) / kw["temperature"]
+    rows = sampled(n, **kw)
+    want = truncated(x.clone(), rows[:1])[0].double()
+    want /= want.sum()  # what min_p and top_p keep, renormalized
+    got = torch.bincount(torch.tensor(draw(x.expand(n, -1).clone(), rows)), minlength=vocab).double() / n
+    assert set(got.nonzero().flatten().tolist()) <= set(want.nonzero().flatten().tolist())
+    big = want * n >= 10  # each token expected 10 times or more on its own, the rest together
+    got, want = torch.cat([got[big], got[~big].sum()[None]]), torch.cat([want[big], want[~big].sum()[None]])
+    sd = (want * (1 - want) / n).sqrt()
+    assert ((got - want).abs() <= 5 * sd + 1e-9).all(), ((got - want).abs() / sd).max()
+
+
+def test_a_seeded_row_draws_the_same_alone_or_batched_with_others():
+    """Each row draws with one number from its own generator, and every batch operation works row by row: a
+    seeded request's tokens do not depend on what it was batched with (nor on which path the others took)."""
+    from kvseal.engine.sampling import make_generator
+    x = torch.cat([peaked(3), torch.randn(1, 8192)])
+    mine = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=42)
+
+    def seeded() -> Row:
+        return Row(mine, [1], [1], make_generator(mine))
+
+    alone, batched = seeded(), seeded()
+    others = [Row(SamplingParams(max_tokens=8, **kw), [1], [1], torch.Generator().manual_seed(i))
+              for i, kw in enumerate([dict(temperature=1.5), dict(temperature=0.7, top_k=3), dict(temperature=0)])]
+    for step in range(30):
+        a = sample(x[step % 3][None], [alone])[0][0]
+        b = sample(torch.stack([x[3], x[step % 3], x[1], x[2]]), [others[0], batched, *others[1:]])[1][0]
+        assert a == b, step
+
+
+def test_a_language_models_rows_are_drawn_from_their_candidates(monkeypatch):
+    """The short path is the one taken: drawing over the whole vocabulary (a sort of it, for top_p) cost ~1.3-3
+    ms a row, three times a 32-row decode step at temperature 0.7, top_p 0.9."""
+    from kvseal.engine import sampling
+
+    def whole(x, rows):
+        raise AssertionError("drawn over the whole vocabulary")
+
+    monkeypatch.setattr(sampling, "truncated", whole)
+    x = peaked(32)
+    for kw in (dict(temperature=0.7, top_p=0.9), dict(temperature=0.6, top_p=0.95, top_k=20)):
+        got = sample(x, sampled(32, **kw))
+        assert all(isinstance(t, int) for t, _ in got), got
