@@ -35,6 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=int, default=128, help="output tokens per request")
     p.add_argument("--requests-per-stream", type=int, default=1)
     p.add_argument("--server-pid", type=int, default=None, help="pid whose RSS (with children) to sample")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else each token is drawn")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--hf-baseline", action="store_true")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--out", default="bench/out/serving")
@@ -205,13 +208,16 @@ def run(a: argparse.Namespace) -> dict:
     streams = [int(s) for s in a.streams.split(",")]
     model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]  # open, as vLLM's
     levels = []
+    sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
     with RssSampler(a.server_pid) as rss:
         for s in streams:
             before = engine_counters(a.url)
-            lv = asyncio.run(level(a.url, model, s, a.prompt, a.output, a.requests_per_stream, key=a.api_key))
+            lv = asyncio.run(level(a.url, model, s, a.prompt, a.output, a.requests_per_stream, key=a.api_key,
+                                   extra=sampling))
             lv["step_breakdown"] = step_breakdown(before, engine_counters(a.url), lv["wall_s"])
             levels.append(lv)
-    result = {"url": a.url, "model": model, "prompt": a.prompt, "output": a.output, "levels": levels,
+    result = {"url": a.url, "model": model, "prompt": a.prompt, "output": a.output, "sampling": sampling,
+              "levels": levels,
               "server_peak_rss_mib": rss.peak / 2**20 if rss.peak else None}
     if a.hf_baseline:
         result["hf"] = hf_baseline(streams, a.prompt, a.output, a.dtype)

@@ -63,7 +63,8 @@ def test_every_serve_flag_reaches_the_process_it_concerns():
 
 
 def test_kvseal_bench_sends_its_api_key(tmp_path):
-    """Against a keyed server: with ``--api-key`` the benchmark runs, without it every request is a 401."""
+    """Against a keyed server: with ``--api-key`` the benchmark runs (here sampled, as it says in its result),
+    without it every request is a 401."""
     import json
     import subprocess
     import sys
@@ -74,9 +75,11 @@ def test_kvseal_bench_sends_its_api_key(tmp_path):
     try:
         bench = [sys.executable, "-m", "kvseal.cli", "bench", "--url", s.url, "--streams", "1", "--prompt", "8",
                  "--output", "4", "--out", str(tmp_path / "b")]
-        r = subprocess.run([*bench, "--api-key", "key-a"], capture_output=True, text=True, timeout=300, check=False)
+        r = subprocess.run([*bench, "--api-key", "key-a", "--temperature", "0.7", "--top-p", "0.9"],
+                           capture_output=True, text=True, timeout=300, check=False)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert json.loads((tmp_path / "b.json").read_text())["levels"][0]["output_tok_s"] > 0
+        got = json.loads((tmp_path / "b.json").read_text())
+        assert got["levels"][0]["output_tok_s"] > 0 and got["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0}
         r = subprocess.run(bench, capture_output=True, text=True, timeout=300, check=False)
         assert r.returncode != 0 and "401" in r.stderr
     finally:
