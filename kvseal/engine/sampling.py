@@ -74,7 +74,7 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | N
     if not rest:
         return res
     # one float copy of the other rows, processed in place (a GPU's rows: on the host, for now)
-    x = (logits if len(rest) == len(rows) else logits[rest]).float().cpu()
+    x = _rows(logits, rest).float().cpu()
     if x.data_ptr() == logits.data_ptr():
         x = x.clone()
     live, processed = [], []
@@ -90,8 +90,9 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | N
         except Exception as e:  # noqa: BLE001 - this row's failure, not the batch's
             res[i] = e
     if processed:  # a row left no finite logit: a draw would fail, an argmax would give token 0: no answer
-        for j, fine in zip(processed, torch.isfinite(x[processed]).any(dim=-1).tolist()):
-            if not fine:
+        peaks = torch.isfinite(_rows(x, processed).amax(dim=-1)).tolist()  # a finite maximum: finite (cheap)
+        for j, fine in zip(processed, peaks):
+            if not (fine or torch.isfinite(x[j]).any()):  # else -inf throughout, or a NaN or +inf: looked at
                 res[rest[j]] = EngineError("the request's constraints leave no token to sample")
                 live.remove(j)
     temps = [t if (t := rows[i].params.temperature) >= GREEDY_BELOW else 1.0 for i in rest]
@@ -100,14 +101,15 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | N
     toks: list[int | Exception] = [0] * len(rest)
     greedy = [j for j in live if rows[rest[j]].params.greedy]
     if greedy:  # dividing by a temperature keeps the order
-        for j, tok in zip(greedy, x[greedy].argmax(dim=-1).tolist()):
+        for j, tok in zip(greedy, _rows(x, greedy).argmax(dim=-1).tolist()):
             toks[j] = tok
     drawn = [j for j in live if not rows[rest[j]].params.greedy]
     if drawn:
         keep = any(rows[rest[j]].params.logprobs is not None for j in drawn)  # their logprobs: before truncation
-        xs = x if len(drawn) == len(rest) and not keep else x[drawn]
+        xs = x.clone() if keep and len(drawn) == len(rest) else _rows(x, drawn)
         for j, tok in zip(drawn, draw(xs, [rows[rest[j]] for j in drawn])):
             toks[j] = tok
+    scored = []
     for j in live:
         i, r, tok = rest[j], rows[rest[j]], toks[j]
         try:
@@ -115,10 +117,22 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | N
                 raise tok
             if r.matcher is not None:
                 r.matcher.consume_token(tok)
-            res[i] = (tok, logprob(x[j], tok, r.params.logprobs) if r.params.logprobs is not None else None)
+            res[i] = (tok, None)
+            if r.params.logprobs is not None:
+                scored.append(j)
         except Exception as e:  # noqa: BLE001
             res[i] = e
+    if scored:
+        for j, lp in zip(scored, logprobs(_rows(x, scored), [toks[j] for j in scored],
+                                          [rows[rest[j]].params.logprobs for j in scored])):
+            res[rest[j]] = (toks[j], lp)
     return res
+
+
+def _rows(x: torch.Tensor, js: list[int]) -> torch.Tensor:
+    """``x[js]`` (a copy), or ``x`` itself when ``js`` is every row in order. (Indexing [32, V] by a list
+    costs ~0.9 ms here, ``index_select`` ~0.3.)"""
+    return x if js == list(range(len(x))) else x.index_select(0, torch.tensor(js, dtype=torch.int64))
 
 
 def process(row: torch.Tensor, r: Row) -> torch.Tensor:
@@ -156,12 +170,17 @@ LOGPROB_FLOOR = -9999.0
 
 
 def logprob(row: torch.Tensor, tok: int, k: int) -> Logprob:
-    lp = torch.log_softmax(row, dim=-1).clamp_(min=LOGPROB_FLOOR)
-    top: list[tuple[int, float]] = []
-    if k:
-        v, i = lp.topk(k)
-        top = list(zip(i.tolist(), v.tolist()))
-    return Logprob(tok, float(lp[tok]), top)
+    return logprobs(row[None], [tok], [k])[0]
+
+
+def logprobs(x: torch.Tensor, toks: list[int], ks: list[int]) -> list[Logprob]:
+    """Row i's ``toks[i]`` under the log-softmax of ``x[i]``, with its ``ks[i]`` most likely tokens: all rows
+    at once (one at a time, ~0.25 ms a row at 49,152 tokens)."""
+    lp = torch.log_softmax(x, dim=-1).clamp_(min=LOGPROB_FLOOR)
+    got = lp.gather(1, torch.tensor(toks, dtype=torch.int64)[:, None]).squeeze(1).tolist()
+    top_v, top_i = ([], []) if not max(ks) else (t.tolist() for t in lp.topk(max(ks), dim=-1))
+    return [Logprob(t, g, list(zip(top_i[n][:k], top_v[n][:k])) if k else [])
+            for n, (t, g, k) in enumerate(zip(toks, got, ks))]
 
 
 def prompt_logprobs(rows: torch.Tensor, targets: list[int], k: int) -> list[Logprob]:
@@ -199,7 +218,7 @@ def draw(x: torch.Tensor, rows: list[Row]) -> list[int | Exception]:
     for c in CANDIDATES:
         if not short:
             break
-        order, w, ok = candidates(x if len(short) == n else x[short], [rows[i] for i in short], c)
+        order, w, ok = candidates(_rows(x, short), [rows[i] for i in short], c)
         held = [j for j, good in enumerate(ok.tolist()) if good]
         for j, idx in zip(held, pick(w[held], u[[short[j] for j in held]])):
             out[short[j]] = idx if isinstance(idx, Exception) else int(order[j, idx])
@@ -207,7 +226,7 @@ def draw(x: torch.Tensor, rows: list[Row]) -> list[int | Exception]:
     whole += short
     if whole:
         whole.sort()
-        w = truncated(x if len(whole) == n else x[whole], [rows[i] for i in whole])
+        w = truncated(_rows(x, whole), [rows[i] for i in whole])
         for i, idx in zip(whole, pick(w, u[whole])):
             out[i] = idx
     return out
@@ -249,11 +268,10 @@ def candidates(x: torch.Tensor, rows: list[Row], c: int) -> tuple[torch.Tensor, 
     kth = vals.gather(1, (ks.clamp(min=1) - 1)[:, None])
     e = torch.exp(vals - vals[:, :1]) * (~has_k[:, None] | (vals >= kth))
     ok = ~has_k | (vals[:, -1] < kth[:, 0]) | (c == vocab)
-    z = e.sum(dim=-1)
+    p = e / e.sum(dim=-1, keepdim=True)
     free = (~has_k).nonzero().flatten().tolist()
-    if free:  # no top_k: the softmax's sum runs over the whole vocabulary
-        z[free] = torch.exp(x[free] - vals[free, :1]).sum(dim=-1)
-    p = e / z[:, None]
+    if free:  # no top_k: the softmax runs over the whole vocabulary (its own kernel: ~10x exp(x - max).sum())
+        p[free] = torch.softmax(_rows(x, free), dim=-1).gather(1, order[free])
     min_p = torch.tensor([r.params.min_p for r in rows])
     cut = min_p[:, None] * p[:, :1]
     ok &= has_k | (min_p == 0) | (p[:, -1] < cut[:, 0]) | (c == vocab)
