@@ -290,3 +290,28 @@ def test_a_language_models_rows_are_drawn_from_their_candidates(monkeypatch):
     for kw in (dict(temperature=0.7, top_p=0.9), dict(temperature=0.6, top_p=0.95, top_k=20)):
         got = sample(x, sampled(32, **kw))
         assert all(isinstance(t, int) for t, _ in got), got
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+@pytest.mark.parametrize("fill", [float("-inf"), float("nan")])
+def test_a_row_its_processors_leave_no_finite_logit_fails_alone(monkeypatch, temperature, fill):
+    """Processors that rule out every token (or break the row) fail that row's request: greedy would take
+    token 0, a draw has nothing to draw from. The row batched with it is served."""
+    from kvseal.engine import sampling
+    from kvseal.errors import EngineError
+    real = sampling.process
+
+    def process(x, r):
+        if r.params.presence_penalty == 1.5:
+            return x.fill_(fill)
+        return real(x, r)
+
+    monkeypatch.setattr(sampling, "process", process)
+    x = torch.stack([logits(), logits()])
+    bad = Row(SamplingParams(max_tokens=8, temperature=temperature, presence_penalty=1.5), [1], [1, 3],
+              torch.Generator().manual_seed(1))
+    good = Row(SamplingParams(max_tokens=8, temperature=temperature, presence_penalty=0.5), [1], [1, 3],
+               torch.Generator().manual_seed(2))
+    got = sample(x, [bad, good])
+    assert isinstance(got[0], EngineError) and got[0].status == 500, got
+    assert isinstance(got[1][0], int)
