@@ -7,6 +7,7 @@ import pytest
 
 ALLOCATE = """
 import resource, sys, torch
+torch.set_num_threads(2)  # as an engine runs (with one thread, as engines run under pytest-xdist, glibc kept them)
 if sys.argv[1] == "kept":
     from kvseal.engine.build import keep_freed_memory
     assert keep_freed_memory()
@@ -25,11 +26,12 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_temporaries_are_not_faulted_in_again():
-    """20 steps of a 6 MB temporary: by default glibc gives each back to the kernel and faults its ~1,500
-    pages in again the next time (4,600-6,200 minor faults here); kept, ~25."""
+    """20 steps of a 6 MB temporary computed on two threads: by default glibc gives each back to the kernel
+    and faults its ~1,500 pages in again the next time (4,600-7,700 minor faults here; 1,559 held to one
+    core); kept, ~25."""
     faults = {mode: int(subprocess.run([sys.executable, "-c", ALLOCATE, mode], capture_output=True, text=True,
                                        check=True).stdout) for mode in ("default", "kept")}
-    assert faults["default"] > 2000 and faults["kept"] < 500, faults
+    assert faults["default"] > 1000 and faults["kept"] < 200, faults
 
 
 def test_every_engine_asks_for_it(monkeypatch):
