@@ -59,11 +59,11 @@ def off_main_thread(fn: Callable[[], object], threads: int = 0) -> object:
     return box["v"]
 
 
-# glibc gives a freed block of over 128 KB (later: over the largest freed so far) back to the kernel, and the
-# next allocation of it faults every page in again. A step's [rows, vocabulary] temporaries are ~6 MB each at
-# 32 rows, and between two sampling calls the forward frees enough that they went back: 8.5-9.2 ms of sampling
-# a step served against 4-5 in process; with freed memory kept, 6.0-6.4 ms and +9% tok/s at 32 sampled streams
-# (Zen 4). Blocks up to 32 MB (glibc's ceiling) stay in the heap, and the heap is not trimmed below 1 GiB.
+# By default glibc may give a freed block of over 128 KB back to the kernel, and the next allocation of it then
+# faults every page in again. A step's [rows, vocabulary] temporaries are ~6 MB each at 32 rows, and served
+# (OpenMP computing them, the forward freeing and allocating in between) they went back: 8.5-9.2 ms of sampling
+# a step against 4-5 in process; with freed memory kept, 5.9-6.3 ms and 615-625 tok/s against 534-563 at 32
+# sampled streams (Zen 4). Blocks up to 32 MB (glibc's ceiling) stay in the heap, not trimmed below 1 GiB.
 MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 1 << 30
 
 
