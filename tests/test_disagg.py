@@ -121,7 +121,11 @@ def test_sigterm_to_serve_alone_stops_its_workers():
     s = Server(["serve", "--kv-pool-tokens", "1024", "--allow-pool-below-context"])
     try:
         kids = _children(s.proc.pid)
-        assert len(kids) == 3  # prefill, decode, router
+        names = set()
+        for k in kids:
+            with open(f"/proc/{k}/comm") as f:
+                names.add(f.read().strip())
+        assert names == {"kvseal-prefill", "kvseal-decode", "kvseal-router"}  # forked, each named for its role
         os.kill(s.proc.pid, signal.SIGTERM)  # the launcher only, not its process group
         s.proc.wait(30)
         deadline = time.time() + 20
@@ -130,6 +134,23 @@ def test_sigterm_to_serve_alone_stops_its_workers():
         assert not any(os.path.exists(f"/proc/{k}") for k in kids)
     finally:
         s.stop()
+
+
+def test_a_forked_child_exits_as_the_command_would(capfd):
+    """``serve`` forks its workers and router from itself (kvseal/server/launch.py): a child runs the command's
+    ``main`` and leaves with its exit status and message, as ``python -m kvseal.cli ARGV`` does, and never
+    returns into the code that forked it (that code would go on to stop its siblings)."""
+    from kvseal.server.launch import Child
+
+    with socket.socket() as keep, socket.socket() as other:
+        bad = Child(["prefill", "--port", "1", "--model", "/nonexistent.gguf"], keep, [other])
+        usage = Child(["prefill"], keep, [other])
+        assert bad.wait(60) == 1
+        assert usage.wait(60) == 2
+        assert keep.fileno() >= 0 and other.fileno() >= 0  # the parent's sockets are still its own
+    err = capfd.readouterr().err
+    assert "kvseal prefill: /nonexistent.gguf: no such file or directory" in err
+    assert "the following arguments are required: --port" in err
 
 
 def test_serve_starts_when_the_next_ports_are_taken_and_refuses_a_taken_front_door():

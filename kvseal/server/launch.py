@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import ctypes
+import gc
+import importlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 
@@ -80,20 +87,22 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
     # SIGTERM to this process alone (kill PID, a container's stop) must stop the workers too, not orphan them
     signal.signal(signal.SIGTERM, _interrupt)
     weights = _shared_weights(a, private)
+    fork = a.device == "cpu"  # a GPU's parent has asked CUDA about the device: a forked child could not use it
+    if fork:
+        preload()
     try:
         for role, port in ports.items():
             fd = socks[role].fileno()
-            argv = [sys.executable, "-m", "kvseal.cli", role, "--host", a.host, "--port", str(port),
-                    "--listen-fd", str(fd), "--transport", a.transport, *secret, *weights, *_worker_argv(a)]
-            procs.append(subprocess.Popen(argv, pass_fds=(fd,)))
+            argv = [role, "--host", a.host, "--port", str(port), "--listen-fd", str(fd), "--transport", a.transport,
+                    *secret, *weights, *_worker_argv(a)]
+            procs.append(start(argv, socks[role], [front, *socks.values()], fork))
             socks[role].close()  # the worker holds it now
         for role, port in ports.items():
             _wait_healthy(listen.url(a.host, port), procs)
-        router = [sys.executable, "-m", "kvseal.cli", "router", "--host", a.host, "--port", str(a.port),
-                  "--listen-fd", str(front.fileno()), *secret,
+        router = ["router", "--host", a.host, "--port", str(a.port), "--listen-fd", str(front.fileno()), *secret,
                   "--prefill", listen.url(a.host, ports["prefill"]), "--decode", listen.url(a.host, ports["decode"]),
                   *_router_argv(a)]
-        procs.append(subprocess.Popen(router, pass_fds=(front.fileno(),)))
+        procs.append(start(router, front, list(socks.values()), fork))
         front.close()
         print(f"kvseal: router on {listen.url(a.host, a.port)} (prefill :{ports['prefill']}, decode :{ports['decode']})",
               flush=True)
@@ -117,6 +126,104 @@ def serve_disaggregated(a: argparse.Namespace, spec: WorkerSpec) -> None:
         shutil.rmtree(private, ignore_errors=True)
 
 
+# What a worker imports before it reads its flags (~5 CPU-seconds on a 2-core Zen 3): imported once here, before
+# the three processes are forked, instead of once in each. Importing PyTorch starts no thread (its OpenMP team
+# starts at the first parallel op, which this process never runs), so each child starts its own.
+PRELOAD = ("torch", "transformers", "fastapi", "uvicorn", "kvseal.engine.build", "kvseal.server.worker",
+           "kvseal.server.decode", "kvseal.server.prefill", "kvseal.server.router", "kvseal.server.api",
+           "kvseal.transfer.mooncake", "kvseal.transfer.shm")
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.freeze()  # the children's collector leaves these objects alone: their pages stay shared, not copied
+
+
+def start(argv: list[str], keep: socket.socket, close: list[socket.socket], fork: bool) -> Child | subprocess.Popen:
+    """``kvseal ARGV`` holding the listening socket ``keep``: forked from this process, or a fresh interpreter."""
+    if fork:
+        return Child(argv, keep, close)
+    return subprocess.Popen([sys.executable, "-m", "kvseal.cli", *argv], pass_fds=(keep.fileno(),))
+
+
+class Child:
+    """``kvseal ARGV`` (a worker or the router) in a process forked from this one, with the part of ``Popen``'s
+    interface ``serve`` uses. It keeps ``keep`` (its listening socket) and closes ``close`` (the others), sets
+    SIGTERM back to its default, runs the command's ``main`` as ``python -m kvseal.cli ARGV`` would, with its own
+    exit handlers, and exits with its status: it never returns into this process's code."""
+
+    def __init__(self, argv: list[str], keep: socket.socket, close: list[socket.socket]) -> None:
+        sys.stdout.flush()  # else what is buffered here would be written twice
+        sys.stderr.flush()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(argv, keep, [s for s in close if s is not keep])
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"kvseal {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _child(argv: list[str], keep: socket.socket, close: list[socket.socket]) -> NoReturn:
+    code = 1
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        keep.detach()  # the command opens the descriptor itself (--listen-fd): no second owner to close it
+        for s in close:
+            s.close()
+        atexit._clear()  # this process's handlers are not the child's; the child's own run as it exits
+        sys.argv = [sys.argv[0], *argv]
+        _name(f"kvseal-{argv[0]}")  # its command line is serve's: top and ps -e tell the three apart by this
+        from kvseal.cli import main
+
+        main(argv)
+        code = 0
+    except SystemExit as e:  # as the interpreter reads it: None is 0, a message is printed and is 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the exit status
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _name(name: str) -> None:
+    """The process's name (``/proc/PID/comm``, 15 bytes), where the C library offers prctl."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _shared_weights(a: argparse.Namespace, private: Path) -> list[str]:
     """One packed copy of the weights for both workers; none for a model on a GPU (it runs unpacked weights,
     which each worker moves to the GPU itself)."""
@@ -137,7 +244,7 @@ def _core_lock_path(a: argparse.Namespace) -> str:
     return a.share_cores
 
 
-def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+def _wait_healthy(url: str, procs: list[Child | subprocess.Popen], timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if any(p.poll() is not None for p in procs):
