@@ -65,6 +65,8 @@ def one(args: list[str]) -> dict:
                     break
             except httpx.HTTPError:
                 pass
+            if time.perf_counter() - t0 > 600:
+                raise SystemExit("kvseal serve did not answer in 600 s")
             time.sleep(0.05)
         ready = time.perf_counter() - t0
         pids = tree(p.pid)
