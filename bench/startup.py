@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,13 +54,15 @@ def one(args: list[str]) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: the four processes' logs never fill it and block them
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "kvseal.cli", "serve", "--port", str(port), *args],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         stdout=log, stderr=subprocess.STDOUT)
     try:
         while True:
             if p.poll() is not None:
-                raise SystemExit(f"kvseal serve exited: {p.stderr.read()[-2000:]}")
+                log.seek(0)
+                raise SystemExit(f"kvseal serve exited: {log.read()[-2000:]}")
             try:
                 if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                     break
@@ -82,6 +85,7 @@ def one(args: list[str]) -> dict:
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(60)
+        log.close()
 
 
 def main() -> None:
