@@ -110,6 +110,14 @@ def _lost_port(out: str, port: int) -> bool:
     return f"('127.0.0.1', {port}): address already in use" in out or f"listen on 127.0.0.1:{port}:" in out
 
 
+def _log_start(role: str, seconds: float) -> None:
+    """With KVSEAL_TEST_STARTS=FILE, each server start appends its test, role and seconds to healthy (a line
+    each, tab-separated): where a suite's time goes to starting servers."""
+    if path := os.environ.get("KVSEAL_TEST_STARTS"):
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{role}\t{seconds:.2f}\n")
+
+
 class Server:
     """A kvseal process on a free loopback port, killed at teardown. Workers and routers get the session's
     cluster secret unless the args name one (or switch auth off)."""
@@ -130,6 +138,7 @@ class Server:
         if PARALLEL and args[0] in ("prefill", "decode", "serve") and "--threads" not in args:
             args = [*args, "--threads", "1"]
         self.proc = launch([*args, "--port", str(self.port)], env or {})
+        t0 = time.time()
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -140,6 +149,7 @@ class Server:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{out}")
             try:
                 if httpx.get(self.url + "/health", timeout=2, verify=self.verify).status_code == 200:
+                    _log_start(args[0], time.time() - t0)
                     return
             except httpx.HTTPError:
                 pass
