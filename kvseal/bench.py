@@ -38,6 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else each token is drawn")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="0: off")
     p.add_argument("--hf-baseline", action="store_true")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--out", default="bench/out/serving")
@@ -209,6 +212,9 @@ def run(a: argparse.Namespace) -> dict:
     model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]  # open, as vLLM's
     levels = []
     sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
+    for k in ("repetition_penalty", "frequency_penalty", "presence_penalty"):  # sent only when asked for
+        if getattr(a, k) != (1.0 if k == "repetition_penalty" else 0.0):
+            sampling[k] = getattr(a, k)
     with RssSampler(a.server_pid) as rss:
         for s in streams:
             before = engine_counters(a.url)

@@ -159,6 +159,7 @@ def test_a_row_that_cannot_sample_fails_its_request_alone(fp32_model, monkeypatc
         return real(x, r)
 
     monkeypatch.setattr(sampling, "process", process)
+    monkeypatch.setattr(sampling, "penalized_only", lambda r: False)  # every row through process
     engine = make_engine(fp32_model)
     finals, done = {}, threading.Event()
 
@@ -307,6 +308,7 @@ def test_a_row_its_processors_leave_no_finite_logit_fails_alone(monkeypatch, tem
         return real(x, r)
 
     monkeypatch.setattr(sampling, "process", process)
+    monkeypatch.setattr(sampling, "penalized_only", lambda r: False)  # every row through process
     x = torch.stack([logits(), logits()])
     bad = Row(SamplingParams(max_tokens=8, temperature=temperature, presence_penalty=1.5), [1], [1, 3],
               torch.Generator().manual_seed(1))
@@ -315,3 +317,50 @@ def test_a_row_its_processors_leave_no_finite_logit_fails_alone(monkeypatch, tem
     got = sample(x, [bad, good])
     assert isinstance(got[0], EngineError) and got[0].status == 500, got
     assert isinstance(got[1][0], int)
+
+
+def test_bias_and_penalties_applied_to_rows_together_equal_each_row_alone():
+    """sample() applies logit_bias, repetition, frequency and presence penalties to its rows at once
+    (penalize); each row's logits must be what process() gives it alone, whatever it shares the step with, and
+    rows it does not name must not move."""
+    from kvseal.engine.sampling import penalize, penalized_only
+
+    g = torch.Generator().manual_seed(11)
+    vocab = 500
+    kinds = [dict(logit_bias=((3, 2.5), (40, -100.0), (499, 0.25))), dict(repetition_penalty=1.3),
+             dict(repetition_penalty=0.8), dict(frequency_penalty=0.7), dict(presence_penalty=-1.1),
+             dict(frequency_penalty=-0.4, presence_penalty=1.9, repetition_penalty=1.15,
+                  logit_bias=((7, 1.0), (8, -3.0))),
+             dict(min_tokens=2, presence_penalty=0.5)]  # min_tokens already met: penalties only
+    rows = []
+    for i in range(24):
+        prompt = torch.randint(0, 60, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        out = torch.randint(0, 60, (i % 9,), generator=g).tolist()  # small ids: many repeats, some rows empty
+        kw = kinds[i % len(kinds)] if i % 5 else {}
+        rows.append(Row(SamplingParams(max_tokens=50, temperature=0.7, **kw), prompt, prompt + out))
+    x = torch.randn(len(rows), vocab, generator=g) * 4
+    js = [j for j, r in enumerate(rows) if penalized_only(r)]
+    assert 15 <= len(js) < len(rows)  # some rows are not penalized (no parameters, or min_tokens not met)
+    together = x.clone()
+    assert penalize(together, js, [rows[j] for j in js])
+    changed = 0
+    for j, r in enumerate(rows):
+        want = process(x[j].clone(), r) if j in js else x[j]
+        assert torch.equal(together[j], want), f"row {j} ({r.params})"
+        changed += not torch.equal(want, x[j])
+    assert changed >= 12  # the parameters did change most rows (a penalty over no output changes nothing)
+
+
+def test_a_token_outside_the_vocabulary_fails_its_row_alone():
+    """A token id past the logits' width would land in the next row's logits if the rows were penalized
+    together: penalize refuses and leaves the rows untouched, and each row is processed alone, where that one
+    fails and its neighbour is served as it would be by itself."""
+    from kvseal.engine.sampling import penalize
+
+    bad = row(out=(9, V + 3), repetition_penalty=1.2)
+    good = row(frequency_penalty=0.5, presence_penalty=0.2)
+    x = torch.stack([logits(), logits() * 0.5])
+    before = x.clone()
+    assert not penalize(x, [0, 1], [bad, good]) and torch.equal(x, before)
+    got = sample(x, [bad, good])
+    assert isinstance(got[0], Exception) and got[1][0] == int(process(before[1].clone(), good).argmax())

@@ -1,7 +1,8 @@
 """Sampling: logits processors, then greedy or seeded random draws, with logprobs on request.
 
 A batch where every request is plain greedy takes one ``argmax``. The rows that ask for more are copied out
-together; each is processed on its own, in vLLM's order:
+together and processed in vLLM's order (``logit_bias`` and the penalties on all such rows at once, each element
+computed as for its row alone; a grammar or a ``min_tokens`` ban row by row):
 
 1. ``logit_bias`` added to its tokens (OpenAI: -100..100, applied to the raw logits);
 2. ``min_tokens``: EOS and ``stop_token_ids`` banned until that many tokens were generated, unless a grammar
@@ -23,6 +24,8 @@ token's and the top ``k``.
 
 from __future__ import annotations
 
+from array import array
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -78,12 +81,16 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, Logprob | N
     if x.data_ptr() == logits.data_ptr():
         x = x.clone()
     live, processed = [], []
+    together = [j for j, i in enumerate(rest) if penalized_only(rows[i])]
+    if not penalize(x, together, [rows[rest[j]] for j in together]):
+        together = []  # a token id outside the vocabulary: each row on its own, where it fails alone
+    done = set(together)
     for j, i in enumerate(rest):
         r = rows[i]
         try:
             if r.params.processed:
                 row = x[j]
-                if (got := process(row, r)) is not row:
+                if j not in done and (got := process(row, r)) is not row:
                     row.copy_(got)
                 processed.append(j)
             live.append(j)
@@ -162,6 +169,72 @@ def process(row: torch.Tensor, r: Row) -> torch.Tensor:
     if allowed is not None:
         row.masked_fill_(~allowed, float("-inf"))
     return row
+
+
+def penalized_only(r: Row) -> bool:
+    """Does only ``logit_bias`` or a penalty change this row now (steps 1, 3 and 4: no grammar, no ban)?"""
+    p = r.params
+    return (p.processed and r.matcher is None and r.num_output >= p.min_tokens
+            and (p.logit_bias or p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty))
+
+
+def penalize(x: torch.Tensor, js: list[int], rows: list[Row]) -> bool:
+    """Steps 1, 3 and 4 for rows ``js`` of ``x`` [B, V] at once, in place: each element as ``process`` computes
+    it (the same operations in the same dtype), touching only the tokens a bias or penalty names. One row at a
+    time these cost ~0.5 ms a row (a 49,152-token ``bincount``, a ``unique``, a dozen small ops), a sixth of a
+    32-row decode step on two cores. False, with ``x`` untouched, if a token id lies outside the vocabulary."""
+    if not js:
+        return True
+    if not x.is_contiguous():
+        return False
+    vocab = x.shape[1]
+    flat = x.view(-1)
+
+    def spots(sel: list[tuple[int, Row]], tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selected rows' tokens, one tensor, and the row of each (an int64 array fills from Python ints
+        ~30x faster than ``torch.tensor`` reads a list)."""
+        lists = [tokens(r) for _, r in sel]
+        ids = array("q", chain.from_iterable(lists))
+        if not ids:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+        at = torch.tensor([j for j, _ in sel]).repeat_interleave(torch.tensor([len(ts) for ts in lists]))
+        return torch.frombuffer(ids, dtype=torch.int64), at
+
+    pairs = list(zip(js, rows))
+    bias = [(j, r) for j, r in pairs if r.params.logit_bias]
+    rep = [(j, r) for j, r in pairs if r.params.repetition_penalty != 1]
+    freq = [(j, r) for j, r in pairs if r.params.presence_penalty or r.params.frequency_penalty]
+    b_ids, b_at = spots(bias, lambda r: [t for t, _ in r.params.logit_bias])
+    r_ids, r_at = spots(rep, lambda r: r.tokens)
+    f_ids, f_at = spots(freq, lambda r: r.tokens[len(r.prompt):])
+    for ids in (b_ids, r_ids, f_ids):
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            return False
+    # 1. logit_bias: each named token's logit plus its bias (the ids of one row are distinct: a dict's keys)
+    if bias:
+        values = torch.tensor([b for _, r in bias for _, b in r.params.logit_bias], dtype=x.dtype)
+        flat.index_add_(0, b_at * vocab + b_ids, values)
+    # 3. repetition_penalty over prompt and output: once per distinct token of a row
+    if rep:
+        penalty = torch.zeros(len(x), dtype=x.dtype)
+        penalty[torch.tensor([j for j, _ in rep])] = torch.tensor([r.params.repetition_penalty for _, r in rep],
+                                                                   dtype=x.dtype)
+        where = torch.unique(r_at * vocab + r_ids)
+        v, by = flat[where], penalty[where // vocab]
+        flat[where] = torch.where(v > 0, v / by, v * by)
+    # 4. frequency and presence over output tokens: logit -= f * count + p, where count > 0 (elsewhere process
+    # subtracts f * 0 + p * 0, which changes nothing)
+    if freq:
+        f = torch.zeros(len(x), dtype=x.dtype)
+        p = torch.zeros(len(x), dtype=x.dtype)
+        sel = torch.tensor([j for j, _ in freq])
+        f[sel] = torch.tensor([r.params.frequency_penalty for _, r in freq], dtype=x.dtype)
+        p[sel] = torch.tensor([r.params.presence_penalty for _, r in freq], dtype=x.dtype)
+        where, counts = torch.unique(f_at * vocab + f_ids, return_counts=True)
+        at = where // vocab
+        counts = counts.to(x.dtype)
+        flat[where] -= f[at] * counts + p[at] * (counts > 0).to(x.dtype)
+    return True
 
 
 # The floor of a reported logprob, as OpenAI and vLLM report it: a token a grammar, min_tokens or a -inf bias
