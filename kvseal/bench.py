@@ -212,8 +212,8 @@ def run(a: argparse.Namespace) -> dict:
     model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]  # open, as vLLM's
     levels = []
     sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
-    for k in ("repetition_penalty", "frequency_penalty", "presence_penalty"):  # sent only when asked for
-        if getattr(a, k) != (1.0 if k == "repetition_penalty" else 0.0):
+    for k, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+        if getattr(a, k) != off:  # sent only when asked for
             sampling[k] = getattr(a, k)
     with RssSampler(a.server_pid) as rss:
         for s in streams:

@@ -331,7 +331,7 @@ def test_bias_and_penalties_applied_to_rows_together_equal_each_row_alone():
              dict(repetition_penalty=0.8), dict(frequency_penalty=0.7), dict(presence_penalty=-1.1),
              dict(frequency_penalty=-0.4, presence_penalty=1.9, repetition_penalty=1.15,
                   logit_bias=((7, 1.0), (8, -3.0))),
-             dict(min_tokens=2, presence_penalty=0.5)]  # min_tokens already met: penalties only
+             dict(min_tokens=5, presence_penalty=0.5)]  # met after 5 outputs (row 6); before (13, 20): one by one
     rows = []
     for i in range(24):
         prompt = torch.randint(0, 60, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
@@ -340,7 +340,7 @@ def test_bias_and_penalties_applied_to_rows_together_equal_each_row_alone():
         rows.append(Row(SamplingParams(max_tokens=50, temperature=0.7, **kw), prompt, prompt + out))
     x = torch.randn(len(rows), vocab, generator=g) * 4
     js = [j for j, r in enumerate(rows) if penalized_only(r)]
-    assert 15 <= len(js) < len(rows)  # some rows are not penalized (no parameters, or min_tokens not met)
+    assert 15 <= len(js) < len(rows) and 6 in js and 13 not in js  # not: no parameters, or min_tokens not met
     together = x.clone()
     assert penalize(together, js, [rows[j] for j in js])
     changed = 0

@@ -174,8 +174,8 @@ def process(row: torch.Tensor, r: Row) -> torch.Tensor:
 def penalized_only(r: Row) -> bool:
     """Does only ``logit_bias`` or a penalty change this row now (steps 1, 3 and 4: no grammar, no ban)?"""
     p = r.params
-    return (p.processed and r.matcher is None and r.num_output >= p.min_tokens
-            and (p.logit_bias or p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty))
+    return (r.matcher is None and r.num_output >= p.min_tokens
+            and bool(p.logit_bias or p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty))
 
 
 def penalize(x: torch.Tensor, js: list[int], rows: list[Row]) -> bool:
